@@ -1,0 +1,69 @@
+// pybind11 bindings of ringcomm._C. Everything takes raw data_ptr() ints and
+// releases the GIL; no torch headers are involved.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <vector>
+
+#include "reduce.h"
+#include "shm.h"
+
+namespace py = pybind11;
+using ringcomm::ShmComm;
+using ringcomm::ShmConfig;
+
+namespace {
+
+void reduce_n(uintptr_t dst, const std::vector<uintptr_t>& srcs, int64_t numel, int dtype, int op, int64_t divisor) {
+  std::vector<const void*> pointers(srcs.size());
+  for (size_t i = 0; i < srcs.size(); ++i) pointers[i] = reinterpret_cast<const void*>(srcs[i]);
+  ringcomm::reduce_n(reinterpret_cast<void*>(dst), pointers.data(), static_cast<int>(pointers.size()), numel,
+                     ringcomm::to_dtype(dtype), ringcomm::to_redop(op), divisor);
+}
+
+void copy(uintptr_t dst, uintptr_t src, int64_t nbytes) {
+  if (nbytes < 0) throw std::invalid_argument("copy: nbytes=" + std::to_string(nbytes) + " < 0");
+  std::memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), static_cast<size_t>(nbytes));
+}
+
+ShmConfig make_config(int64_t slot_nbytes, int num_slots, int64_t oneshot_max_nbytes, int spin_before_yield) {
+  return ShmConfig{slot_nbytes, num_slots, oneshot_max_nbytes, spin_before_yield};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "ringcomm C++ kernels and shared-memory transport";
+  py::call_guard<py::gil_scoped_release> no_gil;
+  m.def("reduce_n", &reduce_n, "dst = srcs[0] op srcs[1] op ...", py::arg("dst"), py::arg("srcs"), py::arg("numel"),
+        py::arg("dtype"), py::arg("op"), py::arg("divisor") = 1, no_gil);
+  m.def("copy", &copy, "memcpy of nbytes", py::arg("dst"), py::arg("src"), py::arg("nbytes"), no_gil);
+
+  py::class_<ShmComm>(m, "ShmComm")
+      .def(py::init([](const std::string& name, int rank, int world_size, int64_t slot_nbytes, int num_slots,
+                       int64_t oneshot_max_nbytes, int spin_before_yield, bool create) {
+             return new ShmComm(name, rank, world_size, make_config(slot_nbytes, num_slots, oneshot_max_nbytes, spin_before_yield),
+                                create);
+           }),
+           py::arg("name"), py::arg("rank"), py::arg("world_size"), py::arg("slot_nbytes"), py::arg("num_slots"),
+           py::arg("oneshot_max_nbytes"), py::arg("spin_before_yield"), py::arg("create"))
+      .def_static("unlink", &ShmComm::unlink, py::arg("name"))
+      .def_static("segment_nbytes",
+                  [](int world_size, int64_t slot_nbytes, int num_slots) {
+                    return ShmComm::segment_nbytes(world_size, make_config(slot_nbytes, num_slots, 0, 0));
+                  },
+                  py::arg("world_size"), py::arg("slot_nbytes"), py::arg("num_slots"))
+      .def("all_reduce", &ShmComm::all_reduce, py::arg("input"), py::arg("output"), py::arg("numel"), py::arg("dtype"),
+           py::arg("op"), py::arg("timeout_s"), no_gil)
+      .def("reduce_scatter", &ShmComm::reduce_scatter, py::arg("input"), py::arg("output"), py::arg("chunk_numel"),
+           py::arg("dtype"), py::arg("op"), py::arg("timeout_s"), no_gil)
+      .def("all_gather", &ShmComm::all_gather, py::arg("input"), py::arg("output"), py::arg("chunk_numel"),
+           py::arg("dtype"), py::arg("timeout_s"), no_gil)
+      .def("broadcast", &ShmComm::broadcast, py::arg("buffer"), py::arg("numel"), py::arg("dtype"), py::arg("root"),
+           py::arg("timeout_s"), no_gil)
+      .def("barrier", &ShmComm::barrier, py::arg("timeout_s"), no_gil)
+      .def_property_readonly("rank", &ShmComm::rank)
+      .def_property_readonly("world_size", &ShmComm::world_size)
+      .def_property_readonly("rounds", &ShmComm::rounds);
+}

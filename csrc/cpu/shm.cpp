@@ -1,0 +1,241 @@
+// Segment lifecycle, rounds and waits of the shared-memory transport.
+//
+// [Note: shm rounds] Every collective is a sequence of rounds, numbered the
+// same on every rank. In round R each rank writes its slot R % num_slots,
+// publishes posted = R, waits until every peer has posted R, reads the peer
+// slots it needs and publishes consumed = R. Before writing slot R % num_slots
+// again (round R + num_slots) a rank waits until every peer consumed R. Each
+// flag sits on its own cache line; stores release, loads acquire. The first
+// round of an op also carries an OpDesc, so a rank that called a different op
+// or size is reported on every rank, and all ranks stay in step afterwards.
+#include "shm.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+namespace ringcomm {
+namespace {
+
+constexpr uint64_t kMagic = 0x72696e67636f6d31ull;  // "ringcom1"
+constexpr int64_t kPage = 4096;
+
+struct SegmentHeader {
+  uint64_t magic;
+  int32_t world_size;
+  int32_t num_slots;
+  int64_t slot_nbytes;
+};
+
+int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+
+int64_t headers_nbytes(int world_size) {
+  return round_up(static_cast<int64_t>(sizeof(SegmentHeader)) + 64 + world_size * static_cast<int64_t>(sizeof(RankHeader)), kPage);
+}
+
+int64_t slot_stride(const ShmConfig& config) { return round_up(static_cast<int64_t>(sizeof(OpDesc)) + config.slot_nbytes, 64); }
+
+std::string errno_text(const std::string& what, const std::string& name) {
+  return what + " '" + name + "': " + std::strerror(errno);
+}
+
+// A process that exited is gone (ESRCH) or a zombie its parent has not reaped.
+bool process_alive(int64_t pid) {
+  if (pid <= 0) return true;
+  if (kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) return false;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return true;
+  const auto paren = line.rfind(')');
+  if (paren == std::string::npos || paren + 2 >= line.size()) return true;
+  const char state = line[paren + 2];
+  return state != 'Z' && state != 'X';
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+}  // namespace
+
+int64_t ShmComm::segment_nbytes(int world_size, const ShmConfig& config) {
+  return headers_nbytes(world_size) + world_size * config.num_slots * slot_stride(config);
+}
+
+ShmComm::ShmComm(const std::string& name, int rank, int world_size, ShmConfig config, bool create)
+    : name_(name), rank_(rank), world_size_(world_size), config_(config), slot_stride_(slot_stride(config)) {
+  if (world_size < 1 || rank < 0 || rank >= world_size)
+    throw std::invalid_argument("shm: rank " + std::to_string(rank) + " outside world_size " + std::to_string(world_size));
+  if (config.num_slots < 2) throw std::invalid_argument("shm: num_slots=" + std::to_string(config.num_slots) + " < 2");
+  if (config.slot_nbytes < 64 * world_size || config.slot_nbytes % 64 != 0)
+    throw std::invalid_argument("shm: slot_nbytes=" + std::to_string(config.slot_nbytes) +
+                                " must be a multiple of 64 and at least 64 * world_size (" + std::to_string(64 * world_size) + ")");
+  const int64_t total = segment_nbytes(world_size, config);
+  const int fd = create ? shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600) : shm_open(name.c_str(), O_RDWR, 0600);
+  if (fd < 0) throw std::runtime_error(errno_text(create ? "shm: cannot create segment" : "shm: cannot open segment", name));
+  if (create) {
+    // Reserve the pages now: a full /dev/shm must fail here, not as SIGBUS later.
+    int err = ftruncate(fd, total) != 0 ? errno : posix_fallocate(fd, 0, total);
+    if (err != 0) {
+      close(fd);
+      shm_unlink(name.c_str());
+      throw std::runtime_error("shm: cannot reserve " + std::to_string(total) + " bytes for segment '" + name +
+                               "' in /dev/shm (" + std::strerror(err) +
+                               "); free space there, use smaller slots, or set RINGCOMM_TRANSPORT=torch_dist");
+    }
+  } else {
+    struct stat st;
+    if (fstat(fd, &st) != 0 || st.st_size != total) {
+      close(fd);
+      throw std::runtime_error("shm: segment '" + name + "' has " + std::to_string(st.st_size) + " bytes, expected " +
+                               std::to_string(total) + " (ranks disagree on the group config)");
+    }
+  }
+  void* base = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (base == MAP_FAILED) throw std::runtime_error(errno_text("shm: cannot map segment", name));
+  base_ = static_cast<char*>(base);
+  mapped_nbytes_ = total;
+  auto* segment = reinterpret_cast<SegmentHeader*>(base_);
+  if (create) {
+    segment->world_size = world_size;
+    segment->num_slots = config.num_slots;
+    segment->slot_nbytes = config.slot_nbytes;
+    std::atomic_thread_fence(std::memory_order_release);
+    segment->magic = kMagic;
+  } else if (segment->magic != kMagic || segment->world_size != world_size || segment->num_slots != config.num_slots ||
+             segment->slot_nbytes != config.slot_nbytes) {
+    munmap(base_, mapped_nbytes_);
+    base_ = nullptr;
+    throw std::runtime_error("shm: segment '" + name + "' was not made by this group (magic or config differs)");
+  }
+  header(rank_)->pid = getpid();
+}
+
+ShmComm::~ShmComm() {
+  if (base_ != nullptr) munmap(base_, mapped_nbytes_);
+}
+
+void ShmComm::unlink(const std::string& name) { shm_unlink(name.c_str()); }
+
+RankHeader* ShmComm::header(int rank) const {
+  return reinterpret_cast<RankHeader*>(base_ + round_up(sizeof(SegmentHeader), 64)) + rank;
+}
+
+OpDesc* ShmComm::slot_desc(int rank, uint64_t round) const {
+  const int64_t index = static_cast<int64_t>(rank) * config_.num_slots + static_cast<int64_t>(round % config_.num_slots);
+  return reinterpret_cast<OpDesc*>(base_ + headers_nbytes(world_size_) + index * slot_stride_);
+}
+
+char* ShmComm::slot_data(int rank, uint64_t round) const {
+  return reinterpret_cast<char*>(slot_desc(rank, round)) + sizeof(OpDesc);
+}
+
+void ShmComm::check_usable(const char* op) const {
+  if (!broken_.empty())
+    throw std::runtime_error(std::string(op) + ": rank " + std::to_string(rank_) +
+                             ": the group is unusable after an earlier failure: " + broken_);
+}
+
+StepInfo ShmComm::begin_op(const char* op, int64_t num_steps, double timeout_s) const {
+  check_usable(op);
+  const auto timeout = std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(timeout_s));
+  return StepInfo{op, 0, num_steps, std::chrono::steady_clock::now() + timeout, timeout_s};
+}
+
+void ShmComm::fail(const std::string& message) {
+  broken_ = message;
+  throw std::runtime_error(message);
+}
+
+void ShmComm::wait_for(int peer, const Flag& flag, uint64_t target, const StepInfo& step, const char* what) {
+  if (flag.value.load(std::memory_order_acquire) >= target) return;
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  auto last_alive_check = start;
+  for (int64_t spin = 0;; ++spin) {
+    if (flag.value.load(std::memory_order_acquire) >= target) return;
+    if (spin < config_.spin_before_yield) {
+      cpu_relax();
+      continue;
+    }
+    const auto now = Clock::now();
+    const auto waited = now - start;
+    if (waited < std::chrono::milliseconds(2)) {
+      sched_yield();
+    } else {
+      const timespec pause{0, 20000};
+      nanosleep(&pause, nullptr);
+    }
+    if (now - last_alive_check < std::chrono::milliseconds(20) && now < step.deadline) continue;
+    last_alive_check = now;
+    std::ostringstream where;
+    where << step.op << ": rank " << rank_ << " at step " << step.step << "/" << step.num_steps << " (round " << target
+          << ") waiting for rank " << peer << " to " << what;
+    const int64_t pid = header(peer)->pid;
+    if (!process_alive(pid)) fail(where.str() + ": rank " + std::to_string(peer) + " (pid " + std::to_string(pid) + ") has exited");
+    if (now >= step.deadline) {
+      std::ostringstream message;
+      message << where.str() << ": timed out after " << step.timeout_s << " s";
+      fail(message.str());
+    }
+  }
+}
+
+char* ShmComm::acquire_slot(const StepInfo& step) {
+  const uint64_t round = seq_ + 1;
+  if (round > static_cast<uint64_t>(config_.num_slots)) {
+    const uint64_t target = round - config_.num_slots;
+    for (int peer = 0; peer < world_size_; ++peer)
+      if (peer != rank_) wait_for(peer, header(peer)->consumed, target, step, "free a staging slot");
+  }
+  return slot_data(rank_, round);
+}
+
+void ShmComm::post(const OpDesc* desc) {
+  const uint64_t round = seq_ + 1;
+  if (desc != nullptr) *slot_desc(rank_, round) = *desc;
+  seq_ = round;
+  header(rank_)->posted.value.store(round, std::memory_order_release);
+}
+
+void ShmComm::wait_posted(const StepInfo& step) {
+  for (int peer = 0; peer < world_size_; ++peer)
+    if (peer != rank_) wait_for(peer, header(peer)->posted, seq_, step, "post its data");
+}
+
+void ShmComm::release() { header(rank_)->consumed.value.store(seq_, std::memory_order_release); }
+
+void ShmComm::check_descs(const StepInfo& step, const OpDesc& mine) {
+  std::ostringstream mismatch;
+  for (int peer = 0; peer < world_size_; ++peer) {
+    const OpDesc& theirs = *slot_desc(peer, seq_);
+    if (theirs.kind == mine.kind && theirs.dtype == mine.dtype && theirs.redop == mine.redop && theirs.root == mine.root &&
+        theirs.numel == mine.numel)
+      continue;
+    mismatch << " rank " << peer << " called (kind=" << theirs.kind << ", dtype=" << theirs.dtype << ", op=" << theirs.redop
+             << ", root=" << theirs.root << ", numel=" << theirs.numel << ");";
+  }
+  if (mismatch.str().empty()) return;
+  release();  // every rank sees the mismatch in this round, so all stay in step
+  std::ostringstream message;
+  message << step.op << ": ranks disagree on the call: rank " << rank_ << " called (kind=" << mine.kind
+          << ", dtype=" << mine.dtype << ", op=" << mine.redop << ", root=" << mine.root << ", numel=" << mine.numel
+          << ") but" << mismatch.str() << " every rank must pass the same op, dtype and sizes";
+  throw std::invalid_argument(message.str());
+}
+
+}  // namespace ringcomm

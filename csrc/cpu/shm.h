@@ -1,0 +1,99 @@
+// Shared-memory transport for ranks on one host: one POSIX segment per group,
+// a few staging slots per rank, sequence-numbered flags, a deadline on every
+// wait. The collectives loop over segments here, in C++, with the GIL released.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+#include "common.h"
+
+namespace ringcomm {
+
+enum class OpKind : int32_t { kBarrier = 0, kAllReduce = 1, kReduceScatter = 2, kAllGather = 3, kBroadcast = 4 };
+
+// What a rank is about to do; written into its slot with the op's first round
+// so that every rank can check that all ranks called the same thing.
+struct alignas(64) OpDesc {
+  int32_t kind, dtype, redop, root;
+  int64_t numel;
+};
+
+struct alignas(64) Flag { std::atomic<uint64_t> value; };
+
+struct RankHeader {
+  Flag posted;    // last round whose data this rank has written into its slot
+  Flag consumed;  // last round whose peer slots this rank has finished reading
+  alignas(64) int64_t pid;
+};
+
+struct ShmConfig {
+  int64_t slot_nbytes;         // staging bytes per slot (data part)
+  int num_slots;               // slots per rank; rounds can run this far ahead
+  int64_t oneshot_max_nbytes;  // all-reduce of at most this many bytes: one round
+  int spin_before_yield;       // busy-wait iterations before yielding the core
+};
+
+// Where a wait is, for error messages: op, step within the op, deadline.
+struct StepInfo {
+  const char* op;
+  int64_t step;
+  int64_t num_steps;
+  std::chrono::steady_clock::time_point deadline;
+  double timeout_s;
+};
+
+class ShmComm {
+ public:
+  ShmComm(const std::string& name, int rank, int world_size, ShmConfig config, bool create);
+  ~ShmComm();
+  ShmComm(const ShmComm&) = delete;
+  ShmComm& operator=(const ShmComm&) = delete;
+
+  static void unlink(const std::string& name);
+  static int64_t segment_nbytes(int world_size, const ShmConfig& config);
+
+  void all_reduce(uintptr_t input, uintptr_t output, int64_t numel, int dtype, int redop, double timeout_s);
+  void reduce_scatter(uintptr_t input, uintptr_t output, int64_t chunk_numel, int dtype, int redop, double timeout_s);
+  void all_gather(uintptr_t input, uintptr_t output, int64_t chunk_numel, int dtype, double timeout_s);
+  void broadcast(uintptr_t buffer, int64_t numel, int dtype, int root, double timeout_s);
+  void barrier(double timeout_s);
+
+  int rank() const { return rank_; }
+  int world_size() const { return world_size_; }
+  uint64_t rounds() const { return seq_; }
+
+ private:
+  // One round: acquire_slot() -> write my slot -> post() -> wait_posted() ->
+  // read peer slots -> release().
+  char* acquire_slot(const StepInfo& step);
+  void post(const OpDesc* desc);
+  void wait_posted(const StepInfo& step);
+  void check_descs(const StepInfo& step, const OpDesc& mine);
+  void release();
+  char* slot_data(int rank, uint64_t round) const;
+  OpDesc* slot_desc(int rank, uint64_t round) const;
+  RankHeader* header(int rank) const;
+
+  void wait_for(int peer, const Flag& flag, uint64_t target, const StepInfo& step, const char* what);
+  [[noreturn]] void fail(const std::string& message);
+  void check_usable(const char* op) const;
+  StepInfo begin_op(const char* op, int64_t num_steps, double timeout_s) const;
+
+  void all_reduce_oneshot(const char* in, char* out, const OpDesc& desc, StepInfo& step);
+  void all_reduce_twoshot(const char* in, char* out, const OpDesc& desc, StepInfo& step);
+
+  std::string name_;
+  int rank_;
+  int world_size_;
+  ShmConfig config_;
+  int64_t slot_stride_;  // desc header + data, rounded to a page
+  char* base_ = nullptr;
+  int64_t mapped_nbytes_ = 0;
+  uint64_t seq_ = 0;  // rounds this rank has posted
+  std::string broken_;
+};
+
+}  // namespace ringcomm

@@ -1,0 +1,216 @@
+// The collectives of the shared-memory transport, as rounds (see [Note: shm
+// rounds] in shm.cpp). Large payloads are cut into segments that fit a slot,
+// so staging stays a few MB per rank whatever the tensor size.
+//
+// Reductions are direct: the owner of a chunk reads that chunk from every rank
+// and reduces all of them at once, in rank order. Each element is therefore
+// reduced once, with 16-bit floats accumulated in float32 and rounded once,
+// and every rank ends with bitwise the same all-reduce result.
+#include <cstring>
+#include <vector>
+
+#include "reduce.h"
+#include "shm.h"
+
+namespace ringcomm {
+namespace {
+
+struct Span {
+  int64_t begin;
+  int64_t numel;
+};
+
+// Chunk `index` of `numel` elements split over `parts` (the first numel %
+// parts chunks get one more element); matches ringcomm.schedule.chunk_bounds.
+Span balanced_chunk(int64_t numel, int parts, int index) {
+  const int64_t base = numel / parts, extra = numel % parts;
+  return Span{index * base + (index < extra ? index : extra), base + (index < extra ? 1 : 0)};
+}
+
+// Segment k of a chunk, `segment_numel` elements each (the last may be short or empty).
+Span segment_of(Span chunk, int64_t k, int64_t segment_numel) {
+  const int64_t offset = k * segment_numel;
+  const int64_t left = chunk.numel - offset;
+  return Span{chunk.begin + offset, left <= 0 ? 0 : (left < segment_numel ? left : segment_numel)};
+}
+
+int64_t num_segments(int64_t numel, int64_t segment_numel) {
+  return numel <= 0 ? 1 : (numel + segment_numel - 1) / segment_numel;
+}
+
+void check_numel(const char* op, int64_t numel) {
+  if (numel < 0) throw std::invalid_argument(std::string(op) + ": numel=" + std::to_string(numel) + " < 0");
+}
+
+}  // namespace
+
+void ShmComm::all_reduce(uintptr_t input, uintptr_t output, int64_t numel, int dtype, int redop, double timeout_s) {
+  check_numel("all_reduce", numel);
+  const DType dt = to_dtype(dtype);
+  to_redop(redop);
+  const OpDesc desc{static_cast<int32_t>(OpKind::kAllReduce), dtype, redop, -1, numel};
+  const int64_t nbytes = numel * element_nbytes(dt);
+  const auto* in = reinterpret_cast<const char*>(input);
+  auto* out = reinterpret_cast<char*>(output);
+  if (nbytes <= config_.oneshot_max_nbytes && nbytes <= config_.slot_nbytes) {
+    StepInfo step = begin_op("all_reduce", 1, timeout_s);
+    all_reduce_oneshot(in, out, desc, step);
+  } else {
+    StepInfo step = begin_op("all_reduce", 0, timeout_s);
+    all_reduce_twoshot(in, out, desc, step);
+  }
+}
+
+// One round: every rank stages the whole tensor and reduces all of it.
+void ShmComm::all_reduce_oneshot(const char* in, char* out, const OpDesc& desc, StepInfo& step) {
+  const DType dt = static_cast<DType>(desc.dtype);
+  const int64_t nbytes = desc.numel * element_nbytes(dt);
+  char* slot = acquire_slot(step);
+  std::memcpy(slot, in, nbytes);
+  post(&desc);
+  wait_posted(step);
+  check_descs(step, desc);
+  std::vector<const void*> srcs(world_size_);
+  for (int peer = 0; peer < world_size_; ++peer) srcs[peer] = slot_data(peer, seq_);
+  reduce_n(out, srcs.data(), world_size_, desc.numel, dt, static_cast<RedOp>(desc.redop), world_size_);
+  release();
+}
+
+// Two rounds per segment: (A) reduce-scatter, each rank stages its copy of the
+// other ranks' chunks and reduces its own; (B) all-gather, each rank publishes
+// its reduced segment and copies everyone else's.
+void ShmComm::all_reduce_twoshot(const char* in, char* out, const OpDesc& desc, StepInfo& step) {
+  const DType dt = static_cast<DType>(desc.dtype);
+  const int64_t esize = element_nbytes(dt);
+  const int64_t part_nbytes = config_.slot_nbytes / world_size_ / 64 * 64;
+  const int64_t segment_numel = part_nbytes / esize;
+  const Span mine = balanced_chunk(desc.numel, world_size_, rank_);
+  const int64_t segments = num_segments(balanced_chunk(desc.numel, world_size_, 0).numel, segment_numel);
+  step.num_steps = 2 * segments;
+  std::vector<const void*> srcs(world_size_);
+  for (int64_t k = 0; k < segments; ++k) {
+    step.step = 2 * k;
+    char* slot = acquire_slot(step);
+    for (int peer = 0; peer < world_size_; ++peer) {
+      if (peer == rank_) continue;
+      const Span seg = segment_of(balanced_chunk(desc.numel, world_size_, peer), k, segment_numel);
+      std::memcpy(slot + peer * part_nbytes, in + seg.begin * esize, seg.numel * esize);
+    }
+    post(k == 0 ? &desc : nullptr);
+    wait_posted(step);
+    if (k == 0) check_descs(step, desc);
+    const Span own = segment_of(mine, k, segment_numel);
+    for (int peer = 0; peer < world_size_; ++peer)
+      srcs[peer] = peer == rank_ ? in + own.begin * esize : slot_data(peer, seq_) + rank_ * part_nbytes;
+
+    step.step = 2 * k + 1;
+    char* result = acquire_slot(step);
+    reduce_n(result, srcs.data(), world_size_, own.numel, dt, static_cast<RedOp>(desc.redop), world_size_);
+    release();
+    post(nullptr);
+    std::memcpy(out + own.begin * esize, result, own.numel * esize);
+    wait_posted(step);
+    for (int peer = 0; peer < world_size_; ++peer) {
+      if (peer == rank_) continue;
+      const Span seg = segment_of(balanced_chunk(desc.numel, world_size_, peer), k, segment_numel);
+      std::memcpy(out + seg.begin * esize, slot_data(peer, seq_), seg.numel * esize);
+    }
+    release();
+  }
+}
+
+void ShmComm::reduce_scatter(uintptr_t input, uintptr_t output, int64_t chunk_numel, int dtype, int redop,
+                             double timeout_s) {
+  check_numel("reduce_scatter", chunk_numel);
+  const DType dt = to_dtype(dtype);
+  to_redop(redop);
+  const OpDesc desc{static_cast<int32_t>(OpKind::kReduceScatter), dtype, redop, -1, chunk_numel};
+  const auto* in = reinterpret_cast<const char*>(input);
+  auto* out = reinterpret_cast<char*>(output);
+  const int64_t esize = element_nbytes(dt);
+  const int64_t part_nbytes = config_.slot_nbytes / world_size_ / 64 * 64;
+  const int64_t segment_numel = part_nbytes / esize;
+  const int64_t segments = num_segments(chunk_numel, segment_numel);
+  StepInfo step = begin_op("reduce_scatter", segments, timeout_s);
+  std::vector<const void*> srcs(world_size_);
+  for (int64_t k = 0; k < segments; ++k) {
+    step.step = k;
+    char* slot = acquire_slot(step);
+    const Span seg = segment_of(Span{0, chunk_numel}, k, segment_numel);
+    for (int peer = 0; peer < world_size_; ++peer) {
+      if (peer != rank_)
+        std::memcpy(slot + peer * part_nbytes, in + (peer * chunk_numel + seg.begin) * esize, seg.numel * esize);
+    }
+    post(k == 0 ? &desc : nullptr);
+    wait_posted(step);
+    if (k == 0) check_descs(step, desc);
+    for (int peer = 0; peer < world_size_; ++peer)
+      srcs[peer] = peer == rank_ ? in + (rank_ * chunk_numel + seg.begin) * esize : slot_data(peer, seq_) + rank_ * part_nbytes;
+    reduce_n(out + seg.begin * esize, srcs.data(), world_size_, seg.numel, dt, static_cast<RedOp>(redop), world_size_);
+    release();
+  }
+}
+
+void ShmComm::all_gather(uintptr_t input, uintptr_t output, int64_t chunk_numel, int dtype, double timeout_s) {
+  check_numel("all_gather", chunk_numel);
+  const DType dt = to_dtype(dtype);
+  const OpDesc desc{static_cast<int32_t>(OpKind::kAllGather), dtype, -1, -1, chunk_numel};
+  const auto* in = reinterpret_cast<const char*>(input);
+  auto* out = reinterpret_cast<char*>(output);
+  const int64_t esize = element_nbytes(dt);
+  const int64_t segment_numel = config_.slot_nbytes / esize;
+  const int64_t segments = num_segments(chunk_numel, segment_numel);
+  char* own_out = out + rank_ * chunk_numel * esize;
+  StepInfo step = begin_op("all_gather", segments, timeout_s);
+  for (int64_t k = 0; k < segments; ++k) {
+    step.step = k;
+    const Span seg = segment_of(Span{0, chunk_numel}, k, segment_numel);
+    char* slot = acquire_slot(step);
+    std::memcpy(slot, in + seg.begin * esize, seg.numel * esize);
+    post(k == 0 ? &desc : nullptr);
+    if (own_out != in) std::memcpy(own_out + seg.begin * esize, in + seg.begin * esize, seg.numel * esize);
+    wait_posted(step);
+    if (k == 0) check_descs(step, desc);
+    for (int peer = 0; peer < world_size_; ++peer) {
+      if (peer != rank_)
+        std::memcpy(out + (peer * chunk_numel + seg.begin) * esize, slot_data(peer, seq_), seg.numel * esize);
+    }
+    release();
+  }
+}
+
+void ShmComm::broadcast(uintptr_t buffer, int64_t numel, int dtype, int root, double timeout_s) {
+  check_numel("broadcast", numel);
+  const DType dt = to_dtype(dtype);
+  if (root < 0 || root >= world_size_)
+    throw std::invalid_argument("broadcast: root=" + std::to_string(root) + " outside world_size " + std::to_string(world_size_));
+  const OpDesc desc{static_cast<int32_t>(OpKind::kBroadcast), dtype, -1, root, numel};
+  auto* data = reinterpret_cast<char*>(buffer);
+  const int64_t esize = element_nbytes(dt);
+  const int64_t segment_numel = config_.slot_nbytes / esize;
+  const int64_t segments = num_segments(numel, segment_numel);
+  StepInfo step = begin_op("broadcast", segments, timeout_s);
+  for (int64_t k = 0; k < segments; ++k) {
+    step.step = k;
+    const Span seg = segment_of(Span{0, numel}, k, segment_numel);
+    char* slot = acquire_slot(step);
+    if (rank_ == root) std::memcpy(slot, data + seg.begin * esize, seg.numel * esize);
+    post(k == 0 ? &desc : nullptr);
+    wait_posted(step);
+    if (k == 0) check_descs(step, desc);
+    if (rank_ != root) std::memcpy(data + seg.begin * esize, slot_data(root, seq_), seg.numel * esize);
+    release();
+  }
+}
+
+void ShmComm::barrier(double timeout_s) {
+  const OpDesc desc{static_cast<int32_t>(OpKind::kBarrier), -1, -1, -1, 0};
+  StepInfo step = begin_op("barrier", 1, timeout_s);
+  acquire_slot(step);
+  post(&desc);
+  wait_posted(step);
+  check_descs(step, desc);
+  release();
+}
+
+}  // namespace ringcomm

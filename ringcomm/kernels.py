@@ -1,0 +1,48 @@
+"""How bytes combine: tensor-level wrappers over the C++ reduction kernels."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from . import _C
+from .ops import LOW_PRECISION, ReduceOp, dtype_code
+
+
+def reduce_into(dst: torch.Tensor, srcs: Sequence[torch.Tensor], op: ReduceOp, divisor: int = 1) -> None:
+    """dst = srcs[0] op srcs[1] op ... element-wise, in source order; AVG divides
+    the sum by `divisor`. 16-bit floats accumulate in float32 and round once.
+    dst may be one of the sources."""
+    code = dtype_code(dst.dtype, where="reduce_into")
+    for src in srcs:
+        if src.dtype != dst.dtype or src.numel() != dst.numel() or src.device != dst.device:
+            raise ValueError(
+                f"reduce_into: source {src.dtype}/{src.numel()}/{src.device} does not match "
+                f"destination {dst.dtype}/{dst.numel()}/{dst.device}"
+            )
+        if not src.is_contiguous():
+            raise ValueError("reduce_into: sources must be contiguous")
+    if not dst.is_contiguous():
+        raise ValueError("reduce_into: destination must be contiguous")
+    if dst.device.type == "cpu":
+        _C.reduce_n(dst.data_ptr(), [s.data_ptr() for s in srcs], dst.numel(), code, int(op), divisor)
+    else:
+        dst.copy_(reference_reduce(srcs, op, divisor))
+
+
+def reference_reduce(srcs: Sequence[torch.Tensor], op: ReduceOp, divisor: int = 1) -> torch.Tensor:
+    """Plain-torch reduction with the kernels' semantics (used off CPU, and by the tests)."""
+    dtype = srcs[0].dtype
+    acc_dtype = torch.float32 if dtype in LOW_PRECISION else dtype
+    stacked = torch.stack([s.to(acc_dtype) for s in srcs])
+    if op in (ReduceOp.SUM, ReduceOp.AVG):
+        out = stacked.sum(0, dtype=acc_dtype)
+        if op == ReduceOp.AVG:
+            out = torch.div(out, divisor, rounding_mode="trunc") if not out.is_floating_point() else out / divisor
+    elif op == ReduceOp.PRODUCT:
+        out = stacked.prod(0, dtype=acc_dtype)
+    elif op == ReduceOp.MIN:
+        out = stacked.amin(0)
+    else:
+        out = stacked.amax(0)
+    return out.to(dtype)

@@ -1,0 +1,64 @@
+"""Reduction ops and dtypes that ringcomm understands, and their C++ codes."""
+from __future__ import annotations
+
+import enum
+
+import torch
+import torch.distributed as dist
+
+
+class ReduceOp(enum.IntEnum):
+    """Reduction ops; the values are the codes csrc/cpu/common.h uses."""
+
+    SUM = 0
+    AVG = 1
+    PRODUCT = 2
+    MIN = 3
+    MAX = 4
+
+
+DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.float32: 0,
+    torch.float64: 1,
+    torch.bfloat16: 2,
+    torch.float16: 3,
+    torch.int32: 4,
+    torch.int64: 5,
+}
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+_TORCH_OPS = {
+    dist.ReduceOp.SUM: ReduceOp.SUM,
+    dist.ReduceOp.AVG: ReduceOp.AVG,
+    dist.ReduceOp.PRODUCT: ReduceOp.PRODUCT,
+    dist.ReduceOp.MIN: ReduceOp.MIN,
+    dist.ReduceOp.MAX: ReduceOp.MAX,
+}
+
+
+def to_reduce_op(op: object, *, where: str) -> ReduceOp:
+    """Accepts a ringcomm.ReduceOp, a torch.distributed.ReduceOp or a name ("sum", "avg", ...)."""
+    if isinstance(op, ReduceOp):
+        return op
+    if isinstance(op, str):
+        try:
+            return ReduceOp[op.upper()]
+        except KeyError:
+            raise ValueError(f"{where}: unknown reduce op {op!r}; expected one of {[o.name.lower() for o in ReduceOp]}") from None
+    if isinstance(op, dist.ReduceOp.RedOpType):
+        op = dist.ReduceOp(op)
+    for torch_op, ours in _TORCH_OPS.items():
+        try:
+            if op == torch_op:
+                return ours
+        except TypeError:
+            break
+    raise ValueError(f"{where}: unsupported reduce op {op!r}; ringcomm supports {[o.name for o in ReduceOp]}")
+
+
+def dtype_code(dtype: torch.dtype, *, where: str) -> int:
+    try:
+        return DTYPE_CODES[dtype]
+    except KeyError:
+        raise TypeError(f"{where}: unsupported dtype {dtype}; ringcomm supports {list(DTYPE_CODES)}") from None

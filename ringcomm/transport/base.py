@@ -1,0 +1,34 @@
+"""The interface every transport implements."""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ..ops import ReduceOp
+
+
+class Transport(Protocol):
+    """Moves and combines the bytes of one group's collectives.
+
+    Callers (ringcomm.collectives) have already checked the arguments: tensors
+    are contiguous, 1-D, of one supported dtype, with consistent numels.
+    """
+
+    kind: str
+    rank: int
+    world_size: int
+
+    def supports(self, device: torch.device) -> bool: ...
+
+    def all_reduce(self, input: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> None: ...
+
+    def reduce_scatter(self, input: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> None: ...
+
+    def all_gather(self, input: torch.Tensor, output: torch.Tensor) -> None: ...
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> None: ...
+
+    def barrier(self) -> None: ...
+
+    def close(self) -> None: ...
