@@ -1,0 +1,176 @@
+"""Multi-process tier: every collective on both transports, against a closed
+form and against torch.distributed gloo on the same random data."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ringcomm
+from harness import run_ranks
+from ringcomm import ReduceOp
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64]
+GLOO_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.AVG: dist.ReduceOp.SUM, ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
+            ReduceOp.MIN: dist.ReduceOp.MIN, ReduceOp.MAX: dist.ReduceOp.MAX}
+# Tiny segments so that small tensors already take the multi-segment paths.
+SMALL_SEGMENTS = dict(shm=ringcomm.ShmOptions(slot_nbytes=256, num_slots=2, oneshot_max_nbytes=64),
+                      torch_dist=ringcomm.TorchDistOptions(segment_nbytes=96))
+
+
+def make_group(transport: str, timeout: float = 30.0) -> ringcomm.Group:
+    return ringcomm.new_group(transport=transport, timeout=timeout, **SMALL_SEGMENTS)
+
+
+def sizes(world_size: int) -> list[int]:
+    return [0, 1, 2, 7, 13, 31, 4 * world_size + 1, 127, 1000]
+
+
+def random_data(numel, dtype, op, rank, case):
+    gen = torch.Generator().manual_seed(1000 * case + rank)
+    if dtype.is_floating_point:
+        return torch.randn(numel, generator=gen, dtype=torch.float64).to(dtype)
+    high = 3 if op == ReduceOp.PRODUCT else 1000
+    return torch.randint(-high, high + 1, (numel,), generator=gen, dtype=torch.int64).to(dtype)
+
+
+def gloo_reduce(tensor: torch.Tensor, op: ReduceOp, world_size: int) -> torch.Tensor:
+    """gloo all-reduce, in float64/int64 so the reference itself is exact; gloo has no AVG."""
+    wide = tensor.to(torch.float64 if tensor.dtype.is_floating_point else torch.int64, copy=True)
+    dist.all_reduce(wide, GLOO_OPS[op])
+    if op == ReduceOp.AVG:
+        wide = wide / world_size if wide.is_floating_point() else torch.div(wide, world_size, rounding_mode="trunc")
+    return wide.to(tensor.dtype)
+
+
+def assert_close(actual, expected, what):
+    dtype = actual.dtype
+    if not dtype.is_floating_point:
+        assert torch.equal(actual, expected), what
+    elif dtype in (torch.bfloat16, torch.float16):
+        # ringcomm accumulates in float32 and rounds once: within one 16-bit ulp of the exact value.
+        rtol = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10
+        torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol, atol=1e-3, msg=what)
+    else:
+        # float32 sums in another order than the float64 reference: a few ulps.
+        tol = 1e-5 if dtype == torch.float32 else 1e-12
+        torch.testing.assert_close(actual, expected, rtol=tol, atol=tol, msg=what)
+
+
+def check_against_gloo(rank, world_size, transport):
+    group = make_group(transport)
+    case = 0
+    for dtype in DTYPES:
+        for op in ReduceOp:
+            for numel in sizes(world_size):
+                case += 1
+                what = f"rank {rank} {transport} {dtype} {op.name} numel={numel}"
+                data = random_data(numel * world_size, dtype, op, rank, case)
+                expected_full = gloo_reduce(data, op, world_size)
+                # all_reduce, in place
+                tensor = data.clone()
+                ringcomm.all_reduce(tensor, op, group=group)
+                assert_close(tensor, expected_full, "all_reduce " + what)
+                # reduce_scatter, out of place and in place (output = own chunk of input)
+                own = slice(rank * numel, (rank + 1) * numel)
+                output = torch.empty(numel, dtype=dtype)
+                source = data.clone()
+                ringcomm.reduce_scatter(output, source, op, group=group)
+                assert_close(output, expected_full[own], "reduce_scatter " + what)
+                assert torch.equal(source, data), "reduce_scatter modified its input " + what
+                ringcomm.reduce_scatter(source[own], source, op, group=group)
+                assert_close(source[own], expected_full[own], "reduce_scatter in place " + what)
+            # all_gather and broadcast move bytes: exact, once per dtype and size
+            for numel in sizes(world_size):
+                case += 1
+                what = f"rank {rank} {transport} {dtype} numel={numel}"
+                mine = random_data(numel, dtype, ReduceOp.SUM, rank, case)
+                expected = torch.empty(numel * world_size, dtype=dtype)
+                dist.all_gather_into_tensor(expected, mine)
+                gathered = torch.empty(numel * world_size, dtype=dtype)
+                ringcomm.all_gather(gathered, mine, group=group)
+                assert torch.equal(gathered, expected), "all_gather " + what
+                in_place = torch.zeros(numel * world_size, dtype=dtype)
+                in_place[rank * numel:(rank + 1) * numel] = mine
+                ringcomm.all_gather(in_place, in_place[rank * numel:(rank + 1) * numel], group=group)
+                assert torch.equal(in_place, expected), "all_gather in place " + what
+                root = case % world_size
+                shared = mine.clone()
+                ringcomm.broadcast(shared, src=root, group=group)
+                assert torch.equal(shared, expected[root * numel:(root + 1) * numel]), f"broadcast root {root} " + what
+    ringcomm.barrier(group=group)
+
+
+def check_closed_form(rank, world_size, transport):
+    """Rank r contributes r + 1 everywhere: sum n(n+1)/2, product n!, min 1, max n, avg (n+1)/2."""
+    group = make_group(transport)
+    n = world_size
+    factorial = 1
+    for k in range(1, n + 1):
+        factorial *= k
+    expected = {ReduceOp.SUM: n * (n + 1) // 2, ReduceOp.PRODUCT: factorial, ReduceOp.MIN: 1, ReduceOp.MAX: n}
+    for dtype in DTYPES:
+        for op in ReduceOp:
+            value = expected.get(op)
+            if op == ReduceOp.AVG:
+                value = (n + 1) / 2 if dtype.is_floating_point else (n * (n + 1) // 2) // n
+            for numel in (1, 37, 3000):
+                tensor = torch.full((numel,), rank + 1, dtype=dtype)
+                ringcomm.all_reduce(tensor, op, group=group)
+                assert torch.all(tensor == value), f"rank {rank} {transport} {dtype} {op.name} {numel}: {tensor[:4]}"
+                out = torch.empty(numel, dtype=dtype)
+                ringcomm.reduce_scatter(out, torch.full((numel * n,), rank + 1, dtype=dtype), op, group=group)
+                assert torch.all(out == value), f"rank {rank} {transport} reduce_scatter {dtype} {op.name} {numel}"
+    # all_gather: chunk r is full of r.
+    for numel in (0, 1, 37, 3000):
+        out = torch.empty(numel * n, dtype=torch.int64)
+        ringcomm.all_gather(out, torch.full((numel,), rank, dtype=torch.int64), group=group)
+        assert torch.equal(out, torch.arange(n).repeat_interleave(numel)), f"rank {rank} all_gather {numel}"
+
+
+def check_async_in_order(rank, world_size, transport):
+    group = make_group(transport)
+    tensors = [torch.full((500,), float(rank + i)) for i in range(6)]
+    works = [ringcomm.all_reduce(t, group=group, async_op=True) for t in tensors]
+    sync = torch.full((10,), 1.0)
+    ringcomm.all_reduce(sync, group=group)  # queued behind the async ones
+    for i, (t, work) in enumerate(zip(tensors, works)):
+        assert work.wait(timeout=30) and work.is_completed()
+        assert torch.all(t == sum(r + i for r in range(world_size))), f"rank {rank} async {i}"
+    assert torch.all(sync == world_size)
+
+
+def check_bf16_rounds_once(rank, world_size, transport):
+    """Rank 0 adds 1, the others 2^-8: every bf16 running sum 1 + 2^-8 rounds back to 1 (a tie, to
+    even), while the float32 sum 1 + (n - 1) 2^-8 rounds once to something above 1."""
+    group = make_group(transport)
+    tiny = 2 ** -8
+    for numel in (5, 700):
+        tensor = torch.full((numel,), 1.0 if rank == 0 else tiny, dtype=torch.bfloat16)
+        ringcomm.all_reduce(tensor, group=group)
+        exact = torch.tensor(1 + (world_size - 1) * tiny, dtype=torch.float32).to(torch.bfloat16)
+        assert torch.all(tensor == exact), f"rank {rank} {transport} {numel}: {tensor[:3]} != {exact}"
+        assert exact != torch.tensor(1.0, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("transport", ["shm", "torch_dist"])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_collectives_match_gloo(world_size, transport):
+    run_ranks(check_against_gloo, world_size, transport, timeout=240)
+
+
+@pytest.mark.parametrize("transport", ["shm", "torch_dist"])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_collectives_closed_form(world_size, transport):
+    run_ranks(check_closed_form, world_size, transport)
+
+
+@pytest.mark.parametrize("transport", ["shm", "torch_dist"])
+def test_async_works_complete_in_order(transport):
+    run_ranks(check_async_in_order, 3, transport)
+
+
+@pytest.mark.parametrize("transport", ["shm", "torch_dist"])
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_bf16_all_reduce_rounds_once(world_size, transport):
+    run_ranks(check_bf16_rounds_once, world_size, transport)
