@@ -1,0 +1,110 @@
+"""Launching one bucket's collective without blocking backward, and timing it:
+on CPU as an async work on the group's comm thread, on CUDA on a comm stream
+ordered after the compute stream by events. Also the OverlapReport arithmetic."""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+
+from .work import Work
+
+# start(async_op) calls the collective; with async_op=True it returns its Work.
+StartCollective = Callable[[bool], "Work | None"]
+
+
+class OverlapReport(NamedTuple):
+    """One step of gradient sync. comm_s: time the bucket collectives ran;
+    exposed_s: the part of it after backward ended (finish() was called);
+    hidden_fraction: 1 - exposed_s / comm_s (1.0 when there was no comm);
+    wait_s: wall time finish() spent waiting."""
+
+    num_buckets: int
+    comm_s: float
+    exposed_s: float
+    hidden_fraction: float
+    wait_s: float
+
+
+EMPTY_REPORT = OverlapReport(0, 0.0, 0.0, 1.0, 0.0)
+
+
+def overlap_report(intervals: Sequence[tuple[float, float]], backward_end_s: float, wait_s: float) -> OverlapReport:
+    """From each bucket's (start, end) times, in one clock with backward_end_s."""
+    comm_s = sum(end - start for start, end in intervals)
+    exposed_s = sum(max(0.0, end - max(start, backward_end_s)) for start, end in intervals)
+    hidden = 1.0 - exposed_s / comm_s if comm_s > 0 else 1.0
+    return OverlapReport(len(intervals), comm_s, exposed_s, hidden, wait_s)
+
+
+class ThreadLaunch:
+    """A collective running on the group's comm thread (CPU tensors).
+
+    The comm thread runs a group's works one at a time in launch order, so a
+    bucket starts when it was launched or when the one before it ended,
+    whichever is later; it ends when its Work completes (timed by a callback
+    on the comm thread). Other works queued on the group in between are
+    counted in the next bucket's time."""
+
+    def __init__(self, start: StartCollective, what: str, previous_end: Callable[[], float]) -> None:
+        self.what = what
+        self.launched_s = time.perf_counter()
+        self._previous_end = previous_end
+        self._done = threading.Event()
+        self.end_s = 0.0
+        self.work = start(True)
+        assert self.work is not None, "an async collective returns a Work"
+        self.work.get_future().add_done_callback(self._on_done)
+
+    def _on_done(self, _future: object) -> None:
+        self.end_s = time.perf_counter()
+        self._done.set()
+
+    def wait(self, timeout: float) -> None:
+        self.work.wait(timeout)
+        if not self._done.wait(timeout):
+            raise RuntimeError(f"{self.what}: completion callback did not run within {timeout} s")
+
+    def interval(self) -> tuple[float, float]:
+        return max(self.launched_s, self._previous_end()), self.end_s
+
+
+class StreamLaunch:
+    """A collective enqueued on `comm_stream` after everything the compute
+    stream has queued so far (the gradients of this bucket):
+
+        compute: ..grad k..|ready|..grad k+1..            |wait(done)| optimizer
+        comm:               wait(ready)|start| collective |done|
+    """
+
+    def __init__(self, start: StartCollective, what: str, comm_stream: torch.cuda.Stream) -> None:
+        self.what = what
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream())
+        comm_stream.wait_event(ready)
+        self.start_event = torch.cuda.Event(enable_timing=True)
+        self.done_event = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(comm_stream):
+            self.start_event.record(comm_stream)
+            start(False)
+            self.done_event.record(comm_stream)
+
+    def wait(self, timeout: float) -> None:
+        """Orders the compute stream after the collective (does not block the host)."""
+        torch.cuda.current_stream().wait_event(self.done_event)
+
+    def interval_after(self, reference: torch.cuda.Event) -> tuple[float, float]:
+        """(start, end) in seconds after `reference`; synchronizes on the collective."""
+        self.done_event.synchronize()
+        return reference.elapsed_time(self.start_event) / 1e3, reference.elapsed_time(self.done_event) / 1e3
+
+
+def stream_report(launches: Sequence[StreamLaunch], reference: torch.cuda.Event, backward_end: torch.cuda.Event,
+                  wait_s: float) -> OverlapReport:
+    """The OverlapReport of CUDA launches, all timed against `reference`."""
+    backward_end.synchronize()
+    intervals = [launch.interval_after(reference) for launch in launches]
+    return overlap_report(intervals, reference.elapsed_time(backward_end) / 1e3, wait_s)
