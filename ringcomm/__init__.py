@@ -7,7 +7,6 @@ from .ops import ReduceOp
 from .transport.shm import ShmOptions
 from .transport.torch_dist import TorchDistOptions
 from .work import Work
-from .process_group import register_backend as _register_backend; _register_backend()  # noqa: E702
 
 __all__ = [
     "Group", "GroupOptions", "ReduceOp", "ShmOptions", "TorchDistOptions", "Work", "all_gather", "all_reduce",
