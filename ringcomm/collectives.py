@@ -33,7 +33,7 @@ def all_reduce(tensor: torch.Tensor, op: object = ReduceOp.SUM, group: Group | N
                async_op: bool = False) -> Work | None:
     """In place: `tensor` becomes the reduction of `tensor` over all ranks."""
     group = group or default_group()
-    redop = to_reduce_op(op, where="all_reduce")
+    redop = to_reduce_op(op, where=f"all_reduce on rank {group.rank}")
     flat = _check("all_reduce", "tensor", tensor, group)
     return group.run("all_reduce", lambda: group.transport.all_reduce(flat, flat, redop), async_op)
 
@@ -43,7 +43,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: object = Reduc
     """torch's reduce_scatter_tensor: input holds world_size chunks of output.numel()
     elements; rank r's output becomes chunk r reduced over all ranks."""
     group = group or default_group()
-    redop = to_reduce_op(op, where="reduce_scatter")
+    redop = to_reduce_op(op, where=f"reduce_scatter on rank {group.rank}")
     out = _check("reduce_scatter", "output", output, group)
     inp = _check("reduce_scatter", "input", input, group)
     _check_pair("reduce_scatter", output, input, group)

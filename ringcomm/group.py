@@ -84,7 +84,7 @@ def create_group(store: dist.Store, rank: int, world_size: int, *, options: Grou
         if pg is None:
             pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world_size,
                                        timedelta(seconds=options.timeout_s))
-        transport = TorchDistTransport(pg, options.timeout_s, options.torch_dist)
+        transport = TorchDistTransport(pg, options.timeout_s, options.torch_dist, dist.PrefixStore("torch_dist/", store))
     return Group(transport, pg, global_ranks or tuple(range(world_size)))
 
 

@@ -48,7 +48,7 @@ def _start_step(link: Link, data: torch.Tensor, recv_into: torch.Tensor, step: s
 
 
 def reduce_scatter(link: Link, data: torch.Tensor, chunks: tuple[schedule.Span, ...], op: ReduceOp,
-                   segment_numel: int) -> None:
+                   segment_numel: int, *, name: str = "reduce_scatter") -> None:
     """In place on `data`: afterwards data[chunks[rank]] holds that chunk reduced over all ranks.
     Other chunks of `data` hold partial results."""
     steps = schedule.reduce_scatter_steps(link.rank, link.world_size)
@@ -56,7 +56,7 @@ def reduce_scatter(link: Link, data: torch.Tensor, chunks: tuple[schedule.Span, 
     for step in steps:
         last = step.step == len(steps) - 1
         step_op = op if last or op != ReduceOp.AVG else ReduceOp.SUM
-        transfers = _start_step(link, data, scratch, step, chunks, segment_numel, "reduce_scatter")
+        transfers = _start_step(link, data, scratch, step, chunks, segment_numel, name)
         recv_chunk = chunks[step.recv_chunk]
         for recv_seg, transfer in transfers:
             transfer.wait_recv()
@@ -71,12 +71,12 @@ def reduce_scatter(link: Link, data: torch.Tensor, chunks: tuple[schedule.Span, 
         reduce_into(data[own.begin:own.end], [data[own.begin:own.end]], op, 1)
 
 
-def all_gather(link: Link, data: torch.Tensor, chunks: tuple[schedule.Span, ...], segment_numel: int) -> None:
+def all_gather(link: Link, data: torch.Tensor, chunks: tuple[schedule.Span, ...], segment_numel: int, *,
+               name: str = "all_gather") -> None:
     """In place on `data`: rank r's chunk r is forwarded around the ring into every rank's `data`."""
     for step in schedule.all_gather_steps(link.rank, link.world_size):
         recv_chunk = chunks[step.recv_chunk]
-        transfers = _start_step(link, data, data[recv_chunk.begin:recv_chunk.end], step, chunks, segment_numel,
-                                "all_gather")
+        transfers = _start_step(link, data, data[recv_chunk.begin:recv_chunk.end], step, chunks, segment_numel, name)
         for _, transfer in transfers:
             transfer.wait_recv()
         for _, transfer in transfers:

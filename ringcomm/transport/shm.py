@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
+from .process import pid_alive
 from ..ops import ReduceOp, dtype_code
 
 SHM_DIR = "/dev/shm"
@@ -104,7 +105,7 @@ def remove_stale_segments() -> list[str]:
     removed = []
     for path in glob.glob(os.path.join(SHM_DIR, NAME_PREFIX + "*")):
         pid_text = os.path.basename(path)[len(NAME_PREFIX):].split("-", 1)[0]
-        if pid_text.isdigit() and not _pid_alive(int(pid_text)):
+        if pid_text.isdigit() and not pid_alive(int(pid_text)):
             try:
                 os.unlink(path)
                 removed.append(path)
@@ -112,12 +113,3 @@ def remove_stale_segments() -> list[str]:
                 pass
     return removed
 
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -3,6 +3,8 @@ how ringcomm spans hosts. Point-to-point transfers use the group's own
 send/recv; the ring itself is ringcomm.ring walking ringcomm.schedule."""
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -10,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .. import ring, schedule
+from .process import pid_alive
 from ..ops import LOW_PRECISION, ReduceOp, dtype_code
 
 _KINDS = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "broadcast": 4, "barrier": 0}
@@ -37,38 +40,78 @@ class _PendingTransfer:
 class _P2PLink:
     """ring.Link over a process group's send/recv (group-local ranks)."""
 
-    def __init__(self, pg: dist.ProcessGroup, timeout_s: float) -> None:
+    def __init__(self, pg: dist.ProcessGroup, timeout_s: float, diagnosis: _Diagnosis) -> None:
         self.pg = pg
         self.rank, self.world_size = pg.rank(), pg.size()
         self.left = schedule.left(self.rank, self.world_size)
         self.right = schedule.right(self.rank, self.world_size)
         self.timeout = timedelta(seconds=timeout_s)
+        self.diagnosis = diagnosis
+        self.broken = ""  # after a failure, late messages could pair with new ones: refuse further work
 
     def start(self, send: torch.Tensor | None, recv: torch.Tensor | None, *, op: str, step: int) -> _PendingTransfer:
         tag = step
-        recv_work = self.pg.recv([recv], self.left, tag) if recv is not None else None
-        send_work = self.pg.send([send], self.right, tag) if send is not None else None
+        recv_work = send_work = None
+        if recv is not None:
+            recv_work = self.run(lambda: self.pg.recv([recv], self.left, tag), op, step, f"receiving from rank {self.left}")
+        if send is not None:
+            send_work = self.run(lambda: self.pg.send([send], self.right, tag), op, step, f"sending to rank {self.right}")
         return _PendingTransfer(self, send_work, recv_work, op, step)
 
     def wait(self, work: dist.Work, op: str, step: int, what: str) -> None:
+        self.run(lambda: work.wait(self.timeout), op, step, what)
+
+    def run(self, call, op: str, step: int, what: str):
+        """Runs a process-group call; its failure becomes a RuntimeError naming op, step and peers."""
         try:
-            work.wait(self.timeout)
+            return call()
         except Exception as err:  # gloo/NCCL raise RuntimeError or DistBackendError
-            raise RuntimeError(
-                f"{op}: rank {self.rank} at step {step}/{self.world_size - 1} failed {what} "
-                f"(timeout {self.timeout.total_seconds()} s): {err}"
-            ) from err
+            message = (f"{op}: rank {self.rank} at step {step}/{self.world_size - 1} failed {what} "
+                       f"(timeout {self.timeout.total_seconds()} s): {err}")
+            self.broken = message
+            raise RuntimeError(message + self.diagnosis.explain(message)) from err
+
+
+class _Diagnosis:
+    """Names the rank behind a failure: each rank leaves its host and pid in the
+    group's store at start-up and a line there when it fails, so a rank whose
+    neighbour merely stopped answering can still name the rank that died."""
+
+    def __init__(self, store: dist.Store | None, rank: int, world_size: int) -> None:
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.host = socket.gethostname()
+        if store is not None:
+            store.set(f"proc/{rank}", f"{self.host}:{os.getpid()}")
+
+    def explain(self, message: str) -> str:
+        if self.store is None:
+            return ""
+        notes = []
+        try:
+            self.store.set(f"failure/{self.rank}", message)
+            for peer in range(self.world_size):
+                if peer == self.rank:
+                    continue
+                host, pid = self.store.get(f"proc/{peer}").decode().rsplit(":", 1)
+                if host == self.host and not pid_alive(int(pid)):
+                    notes.append(f"rank {peer} (pid {pid}) has exited")
+                elif self.store.check([f"failure/{peer}"]):
+                    notes.append(f"rank {peer} reported: {self.store.get(f'failure/{peer}').decode()}")
+        except Exception as err:  # the store may have died with its host rank
+            notes.append(f"(store unreachable: {err})")
+        return "; " + "; ".join(notes) if notes else ""
 
 
 class TorchDistTransport:
     kind = "torch_dist"
 
-    def __init__(self, pg: dist.ProcessGroup, timeout_s: float, options: TorchDistOptions) -> None:
+    def __init__(self, pg: dist.ProcessGroup, timeout_s: float, options: TorchDistOptions,
+                 store: dist.Store | None = None) -> None:
         self.pg = pg
         self.rank, self.world_size = pg.rank(), pg.size()
         self.timeout_s = timeout_s
         self.options = options
-        self._link = _P2PLink(pg, timeout_s)
+        self._link = _P2PLink(pg, timeout_s, _Diagnosis(store, self.rank, self.world_size))
 
     def supports(self, device: torch.device) -> bool:
         return True
@@ -80,12 +123,16 @@ class TorchDistTransport:
                     always: bool = False) -> None:
         """All ranks must call the same op on the same dtype and sizes; a mismatch
         would otherwise pair unequal messages. Costs one small all-gather."""
+        if self._link.broken:
+            raise RuntimeError(f"{op}: rank {self.rank}: the group is unusable after an earlier failure: "
+                               f"{self._link.broken}")
         if self.world_size == 1 or not (always or self.options.check_calls):
             return
         dtype = dtype_code(tensor.dtype, where=op) if tensor is not None else -1
         mine = torch.tensor([_KINDS[op], dtype, redop, root, numel], dtype=torch.int64)
         everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
-        self._link.wait(self.pg.allgather([everyone], [mine]), op, 0, "checking the call across ranks")
+        what = "comparing the call with all ranks"
+        self._link.wait(self._link.run(lambda: self.pg.allgather([everyone], [mine]), op, 0, what), op, 0, what)
         bad = [r for r, theirs in enumerate(everyone) if not torch.equal(theirs, mine)]
         if bad:
             calls = {r: everyone[r].tolist() for r in range(self.world_size)}
@@ -100,13 +147,13 @@ class TorchDistTransport:
         own = chunks[self.rank]
         if input.dtype in LOW_PRECISION:  # accumulate in float32, round once
             work = input.to(torch.float32)
-            ring.reduce_scatter(self._link, work, chunks, op, self._segment_numel(work))
+            ring.reduce_scatter(self._link, work, chunks, op, self._segment_numel(work), name="all_reduce")
             output[own.begin:own.end].copy_(work[own.begin:own.end])
         else:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
-            ring.reduce_scatter(self._link, output, chunks, op, self._segment_numel(output))
-        ring.all_gather(self._link, output, chunks, self._segment_numel(output))
+            ring.reduce_scatter(self._link, output, chunks, op, self._segment_numel(output), name="all_reduce")
+        ring.all_gather(self._link, output, chunks, self._segment_numel(output), name="all_reduce")
 
     def reduce_scatter(self, input: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> None:
         self._check_call("reduce_scatter", input, output.numel(), redop=int(op))
@@ -129,7 +176,9 @@ class TorchDistTransport:
         if self.world_size > 1 and tensor.numel() > 0:
             options = dist.BroadcastOptions()
             options.rootRank = root
-            self._link.wait(self.pg.broadcast([tensor], options), "broadcast", 0, f"receiving from root {root}")
+            what = f"broadcasting from root {root}"
+            self._link.wait(self._link.run(lambda: self.pg.broadcast([tensor], options), "broadcast", 0, what),
+                            "broadcast", 0, what)
 
     def barrier(self) -> None:
         self._check_call("barrier", None, 0, always=True)
