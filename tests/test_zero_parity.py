@@ -1,0 +1,79 @@
+"""Multi-process parity: every stage x dtype x accumulation x model (x backend)
+trains like single-process plain torch on the same global batch."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import run_ranks
+from zero_reference import DTYPES, MICRO, STEPS, engine_config, loss_fn, make_batch, make_model, reference_train
+
+import zero
+
+# Tolerances: fp32 differs only by summation order (ranks, micro-batches, buckets).
+# bf16/fp16 gradients are rounded to 8/11 bits before the reduction, and Adam
+# normalizes the update, so one rounding flip moves a parameter by up to ~lr.
+# Parameters are compared by their update: |p - ref| <= tol * |ref - initial| per tensor (L2),
+# plus an elementwise bound for fp32.
+TOLERANCE = {"fp32": (1e-5, 1e-3), "bf16": (3e-2, 0.2), "fp16": (5e-3, 0.05)}  # (loss rtol, update rtol)
+
+
+def engine_train(rank: int, world_size: int, kind: str, stage: int, dtype_name: str, accumulation: int,
+                 backend: str) -> tuple[list[float], list[torch.Tensor], object]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, _, _, _ = zero.initialize(model=make_model(kind), comm_backend=backend,
+                                          config=engine_config(stage, dtype_name, accumulation, world_size))
+    losses = []
+    for step in range(STEPS):
+        x, y = make_batch(kind, MICRO * accumulation * world_size, step)
+        total = 0.0
+        for k in range(accumulation):
+            lo = (k * world_size + rank) * MICRO
+            loss = loss_fn(kind, engine(x[lo:lo + MICRO]), y[lo:lo + MICRO])
+            engine.backward(loss)
+            engine.step()
+            total += float(loss)
+        mean = torch.tensor([total / accumulation])
+        dist.all_reduce(mean)
+        losses.append(float(mean) / world_size)
+    assert engine.global_steps == STEPS and engine.skipped_steps == 0, f"rank {rank}: {engine.skipped_steps=}"
+    return losses, engine.full_params_fp32(), engine
+
+
+def check_case(rank: int, world_size: int, kind: str, stage: int, dtype_name: str, accumulation: int,
+               backend: str, reference: dict) -> None:
+    case = f"rank {rank}/{world_size} {kind} stage {stage} {dtype_name} accumulation {accumulation} {backend}"
+    key = (kind, dtype_name, MICRO * accumulation * world_size)
+    if key not in reference:
+        reference[key] = reference_train(kind, DTYPES[dtype_name], key[2])
+    ref_losses, ref_params = reference[key]
+    losses, params, _ = engine_train(rank, world_size, kind, stage, dtype_name, accumulation, backend)
+    loss_rtol, update_rtol = TOLERANCE[dtype_name]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=loss_rtol, atol=loss_rtol,
+                               msg=lambda m: f"{case}: losses {losses} vs reference {ref_losses}: {m}")
+    initial = [p.detach().float() for p in make_model(kind).to(DTYPES[dtype_name]).parameters()]
+    for i, (p, r, p0) in enumerate(zip(params, ref_params, initial)):
+        error, update = float((p - r).norm()), float((r - p0).norm())
+        assert error <= update_rtol * update + 1e-6, f"{case}: parameter {i}: |p - ref| {error:.3g} > " \
+                                                     f"{update_rtol} * |ref - initial| {update:.3g}"
+        if dtype_name == "fp32":
+            torch.testing.assert_close(p, r, rtol=0, atol=1e-4, msg=lambda m: f"{case}: parameter {i}: {m}")
+
+
+def parity_worker(rank: int, world_size: int, stages: tuple[int, ...]) -> None:
+    reference: dict = {}
+    for kind in ("mlp", "transformer"):
+        for stage in stages:
+            for dtype_name in DTYPES:
+                for accumulation in (1, 3):
+                    check_case(rank, world_size, kind, stage, dtype_name, accumulation, "ringcomm", reference)
+            check_case(rank, world_size, kind, stage, "bf16", 3, "torch", reference)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_parity(world_size: int) -> None:
+    run_ranks(parity_worker, world_size, (0, 1, 2, 3), timeout=240)

@@ -1,0 +1,25 @@
+"""zero: a ZeRO engine (stages 0-3) on ringcomm with DeepSpeed's interface."""
+from __future__ import annotations
+
+from .build import build_engine
+from .config import EngineConfig, parse
+from .engine import ZeroEngine
+from .partition import ShardingPolicy
+
+
+def initialize(model=None, optimizer=None, model_parameters=None, lr_scheduler=None, config=None,
+               comm_backend: str | None = None, **kwargs):
+    """deepspeed.initialize: returns (engine, optimizer, None, lr_scheduler).
+    comm_backend "ringcomm" (default) or "torch"; also a config key."""
+    if model is None:
+        raise ValueError("zero.initialize: model is required")
+    if config is None:
+        config = kwargs.pop("config_params", None)
+    unknown = set(kwargs) - {"args", "training_data", "collate_fn", "mpu", "dist_init_required"}
+    if unknown:
+        raise TypeError(f"zero.initialize: unexpected arguments {sorted(unknown)}")
+    engine = build_engine(model, optimizer, model_parameters, lr_scheduler, config, comm_backend)
+    return engine, engine.optimizer, None, engine.lr_scheduler
+
+
+__all__ = ["EngineConfig", "ShardingPolicy", "ZeroEngine", "initialize", "parse"]

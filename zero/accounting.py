@@ -1,0 +1,53 @@
+"""Per-rank model-state bytes: parameters, gradients, optimizer states, and the
+communication buffers (transient buckets and gathered units) apart."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .param_group import ParamGroup
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryReport:
+    params_nbytes: int
+    grads_nbytes: int
+    optimizer_nbytes: int  # fp32 master weights (when not the parameters) + optimizer states
+    comm_buffer_nbytes: int  # peak of transient gradient buckets and gathered stage 3 units
+
+    @property
+    def model_state_nbytes(self) -> int:
+        return self.params_nbytes + self.grads_nbytes + self.optimizer_nbytes
+
+
+class _Storages:
+    """Counts each storage once (views of one buffer share it)."""
+
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+
+    def nbytes(self, tensors) -> int:
+        total = 0
+        for t in tensors:
+            if t is None or not isinstance(t, torch.Tensor) or t.numel() == 0:
+                continue
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in self.seen:
+                self.seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        return total
+
+
+def memory_report(group: ParamGroup, optimizer: torch.optim.Optimizer) -> MemoryReport:
+    """Measured between steps (stage 3 units resharded, no transient buckets)."""
+    storages = _Storages()
+    params = storages.nbytes(u.full if u.plan.resident else u.shard for u in group.units)
+    persistent_grads = [u.grad if not group.policy.shard_grads else u.grad_owned for u in group.units]
+    grads = storages.nbytes(persistent_grads)
+    states = [t for state in optimizer.state.values() for t in state.values()
+              if isinstance(t, torch.Tensor) and t.dim() > 0]
+    optimizer_nbytes = storages.nbytes(u.master for u in group.units) + storages.nbytes(states)
+    gathered = max((u.plan.padded_numel * u.shard.element_size() for u in group.units if not u.plan.resident),
+                   default=0)
+    return MemoryReport(params, grads, optimizer_nbytes, group.peak_transient_nbytes + 2 * gathered)

@@ -1,0 +1,120 @@
+"""Assembles a ZeroEngine: process group, config, units, optimizer, hooks."""
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import config as config_mod
+from . import optim
+from .comm import make_comm
+from .engine import EngineParts, ZeroEngine
+from .gather import UnitGatherer
+from .param_group import ParamGroup, build_units
+from .partition import UnitPlan, bucket_units, module_units
+from .precision import make_scaler
+
+log = logging.getLogger("zero")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def init_distributed() -> None:
+    """env:// under a launcher (torchrun sets RANK/WORLD_SIZE); else one process."""
+    if dist.is_initialized():
+        return
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def model_facts(model: nn.Module, world_size: int) -> config_mod.ModelFacts:
+    params = list(model.parameters())
+    dtype = str(params[0].dtype).removeprefix("torch.") if params else "float32"
+    hidden = max((min(p.shape) for p in params if p.dim() == 2), default=1024)
+    return config_mod.ModelFacts(world_size, dtype, hidden)
+
+
+def trainable_params(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def plan_units(model: nn.Module, params: list[nn.Parameter], cfg: config_mod.EngineConfig,
+               world_size: int) -> tuple[tuple[UnitPlan, ...], list[nn.Module | None]]:
+    """Units and, for stage 3, the module of each unit (None: resident)."""
+    numels = [p.numel() for p in params]
+    if not cfg.zero.policy.shard_params:
+        return bucket_units(numels, world_size, cfg.zero.reduce_bucket_size), []
+    index_of = {id(p): i for i, p in enumerate(params)}
+    modules, groups = [], []
+    for module in model.modules():
+        direct = [index_of[id(p)] for p in module.parameters(recurse=False) if id(p) in index_of]
+        if direct:
+            modules.append(module)
+            groups.append(direct)
+    plans = module_units(groups, numels, world_size, cfg.zero.param_persistence_threshold)
+    owners = []
+    for plan in plans:
+        owners.append(None if plan.resident else _module_of(plan, groups, modules))
+    return plans, owners
+
+
+def _module_of(plan: UnitPlan, groups: list[list[int]], modules: list[nn.Module]) -> nn.Module:
+    first = plan.slots[0].index
+    return next(m for g, m in zip(groups, modules) if first in g)
+
+
+def make_optimizer(optimizer, model_parameters, params: list[nn.Parameter],
+                   cfg: config_mod.EngineConfig) -> torch.optim.Optimizer:
+    if optimizer is not None:
+        if cfg.optimizer is not None:
+            raise ValueError("zero: an optimizer was passed and the config has an 'optimizer' section; pass one")
+        optim.check_supported(optimizer, cfg.zero.stage, cfg.allow_untested_optimizer)
+        return optimizer
+    if cfg.optimizer is None:
+        raise ValueError("zero: no optimizer: pass optimizer= or give the config an 'optimizer' section")
+    chosen = list(model_parameters) if model_parameters is not None else params
+    return optim.from_config(cfg.optimizer, chosen)
+
+
+def make_scheduler(lr_scheduler, optimizer, cfg: config_mod.EngineConfig):
+    if lr_scheduler is not None:
+        if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+            return lr_scheduler(optimizer)
+        return lr_scheduler
+    if cfg.scheduler is not None:
+        return optim.scheduler_from_config(cfg.scheduler, optimizer)
+    return None
+
+
+def build_engine(model: nn.Module, optimizer=None, model_parameters=None, lr_scheduler=None,
+                 config=None, comm_backend: str | None = None) -> ZeroEngine:
+    init_distributed()
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    cfg = config_mod.parse(config if config is not None else {}, model_facts(model, world_size))
+    for note in cfg.not_implemented:
+        message = f"zero: {note} is parsed and validated but not implemented yet (a later issue); ignored"
+        warnings.warn(message, stacklevel=3)
+        if rank == 0:
+            log.warning(message)
+    dtype = DTYPES[cfg.dtype]
+    model.to(dtype)
+    params = trainable_params(model)
+    optimizer = make_optimizer(optimizer, model_parameters, params, cfg)
+    comm = make_comm(comm_backend or cfg.comm_backend or "ringcomm")
+    plans, owners = plan_units(model, params, cfg, world_size)
+    units = build_units(params, plans, rank, comm)
+    group = ParamGroup(units, cfg.zero.policy, comm, cfg.gradient_accumulation_steps)
+    optim.rebind(optimizer, params, group.setup_masters())
+    group.register_grad_hooks()
+    gatherer = None
+    if cfg.zero.policy.shard_params:
+        gatherer = UnitGatherer({m: u for m, u in zip(owners, units) if m is not None}, comm)
+        gatherer.register()
+    scheduler = make_scheduler(lr_scheduler, optimizer, cfg)
+    scaler = make_scaler(dtype, cfg.scaler)
+    return ZeroEngine(EngineParts(model, optimizer, scheduler, cfg, group, gatherer, scaler, comm, dtype))

@@ -1,0 +1,156 @@
+"""The comm backend seam: the four collectives the engine uses, on ringcomm or
+on plain torch.distributed, and the count of bytes each rank sends (ring volume)."""
+from __future__ import annotations
+
+import warnings
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from .partition import wire_numel
+
+BACKENDS = ("ringcomm", "torch")
+
+
+class Handle(Protocol):
+    def wait(self) -> object: ...
+
+
+class _Done:
+    def wait(self) -> bool:
+        return True
+
+
+class Comm:
+    """Collectives over every rank of the default process group. Subclasses
+    implement `_all_reduce`, `_reduce_scatter`, `_all_gather`, `_broadcast`;
+    this class handles world_size 1 and counts the wire bytes."""
+
+    kind = "local"
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.sent_nbytes = 0
+
+    def _count(self, kind: str, tensor: torch.Tensor) -> None:
+        self.sent_nbytes += wire_numel(kind, tensor.numel(), self.world_size) * tensor.element_size()
+
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False) -> Handle:
+        """Sum in place."""
+        if self.world_size == 1:
+            return _Done()
+        self._count("all_reduce", tensor)
+        return self._all_reduce(tensor, async_op)
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> None:
+        if self.world_size > 1:
+            self._count("all_reduce", tensor)
+            self._all_reduce_max(tensor)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Handle:
+        """Sum; output (maybe a view of input's own chunk) gets chunk `rank`."""
+        if self.world_size == 1:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return _Done()
+        self._count("reduce_scatter", input)
+        return self._reduce_scatter(output, input, async_op)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Handle:
+        if self.world_size == 1:
+            if output.data_ptr() != input.data_ptr():
+                output.copy_(input)
+            return _Done()
+        self._count("all_gather", output)
+        return self._all_gather(output, input, async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        if self.world_size > 1:
+            self._broadcast(tensor, src)  # set-up only; not counted as step traffic
+
+    def close(self) -> None:
+        pass
+
+
+class RingComm(Comm):
+    kind = "ringcomm"
+
+    def __init__(self, rank: int, world_size: int, group: object) -> None:
+        super().__init__(rank, world_size)
+        self.group = group
+
+    def _all_reduce(self, tensor, async_op):
+        import ringcomm
+        return ringcomm.all_reduce(tensor, ringcomm.ReduceOp.SUM, self.group, async_op=async_op) or _Done()
+
+    def _all_reduce_max(self, tensor):
+        import ringcomm
+        ringcomm.all_reduce(tensor, ringcomm.ReduceOp.MAX, self.group)
+
+    def _reduce_scatter(self, output, input, async_op):
+        import ringcomm
+        return ringcomm.reduce_scatter(output, input, ringcomm.ReduceOp.SUM, self.group, async_op=async_op) or _Done()
+
+    def _all_gather(self, output, input, async_op):
+        import ringcomm
+        return ringcomm.all_gather(output, input, self.group, async_op=async_op) or _Done()
+
+    def _broadcast(self, tensor, src):
+        import ringcomm
+        ringcomm.broadcast(tensor, src, self.group)
+
+    def close(self) -> None:
+        self.group.close()
+
+
+class TorchComm(Comm):
+    kind = "torch"
+
+    def _all_reduce(self, tensor, async_op):
+        return dist.all_reduce(tensor, async_op=async_op) or _Done()
+
+    def _all_reduce_max(self, tensor):
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+
+    def _reduce_scatter(self, output, input, async_op):
+        if _aliases(output, input):
+            output = torch.empty_like(output)  # gloo wants distinct buffers
+            work = dist.reduce_scatter_tensor(output, input)
+            _own_chunk(input, self.rank, output.numel()).copy_(output)
+            return _Done()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            return dist.reduce_scatter_tensor(output, input, async_op=async_op) or _Done()
+
+    def _all_gather(self, output, input, async_op):
+        if _aliases(output, input):
+            input = input.clone()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            return dist.all_gather_into_tensor(output, input, async_op=async_op) or _Done()
+
+    def _broadcast(self, tensor, src):
+        dist.broadcast(tensor, src)
+
+
+def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _own_chunk(flat: torch.Tensor, rank: int, numel: int) -> torch.Tensor:
+    return flat.view(-1)[rank * numel:(rank + 1) * numel]
+
+
+def make_comm(backend: str) -> Comm:
+    """The engine's collectives over the initialized default process group."""
+    if backend not in BACKENDS:
+        raise ValueError(f"comm_backend: {backend!r} is not one of {BACKENDS}")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if world_size == 1:
+        return Comm(rank, world_size)
+    if backend == "torch":
+        return TorchComm(rank, world_size)
+    import ringcomm
+    return RingComm(rank, world_size, ringcomm.new_group())

@@ -1,0 +1,272 @@
+"""DeepSpeed JSON config: parse, validate (ValueError naming the key), resolve
+"auto" values from the model, the arguments and the world size."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from dataclasses import dataclass, field
+
+from .partition import STAGES, ShardingPolicy
+from .precision import ScalerOptions
+
+AUTO = "auto"
+TOP_KEYS = {
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
+    "fp16", "bf16", "optimizer", "scheduler", "zero_allow_untested_optimizer", "zero_optimization",
+    "activation_checkpointing", "comm_backend",
+    # accepted with no effect here (logging and knobs of DeepSpeed's own runtime)
+    "steps_per_print", "wall_clock_breakdown", "prescale_gradients", "gradient_predivide_factor",
+    "communication_data_type", "dump_state", "tensorboard", "wandb", "csv_monitor", "flops_profiler",
+    "memory_breakdown", "zero_force_ds_cpu_optimizer", "seed",
+}
+ZERO_KEYS = {
+    "stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "contiguous_gradients",
+    "reduce_scatter", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+    "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
+    "sub_group_size", "offload_optimizer", "offload_param", "allgather_partitions", "round_robin_gradients",
+}
+FP16_KEYS = {"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+             "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads"}
+OFFLOAD_KEYS = {"device", "pin_memory", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu",
+                "fast_init", "ratio", "pipeline_read", "pipeline_write"}
+CHECKPOINT_KEYS = {"partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+                   "number_checkpoints", "synchronize_checkpoint_boundary", "profile"}
+OPTIMIZERS = ("adam", "adamw", "sgd")
+SCHEDULERS = ("WarmupLR", "WarmupDecayLR")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    """What "auto" values are resolved from: the model and the launch."""
+
+    world_size: int
+    param_dtype: str  # "float32" | "float16" | "bfloat16"
+    hidden_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class ZeroOptions:
+    stage: int = 0
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    overlap_comm: bool = True
+    contiguous_gradients: bool = True
+    reduce_scatter: bool = True
+    prefetch_bucket_size: int = 50_000_000
+    param_persistence_threshold: int = 100_000
+    max_live_parameters: int = 1_000_000_000
+    max_reuse_distance: int = 1_000_000_000
+    gather_16bit_weights_on_model_save: bool = False
+    sub_group_size: int = 1_000_000_000
+    offload_optimizer: str = "none"
+    offload_param: str = "none"
+
+    @property
+    def policy(self) -> ShardingPolicy:
+        return ShardingPolicy.for_stage(self.stage)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    train_batch_size: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    gradient_clipping: float
+    dtype: str
+    scaler: ScalerOptions
+    zero: ZeroOptions
+    optimizer: dict | None = None
+    scheduler: dict | None = None
+    allow_untested_optimizer: bool = False
+    activation_checkpointing: dict | None = None
+    comm_backend: str | None = None
+    not_implemented: tuple[str, ...] = field(default_factory=tuple)
+
+
+def load(config: str | os.PathLike | dict) -> dict:
+    if isinstance(config, dict):
+        return dict(config)
+    with open(config) as f:
+        return json.load(f)
+
+
+def _warn_unknown(section: dict, known: set[str], where: str) -> None:
+    for key in section:
+        if key not in known:
+            warnings.warn(f"zero config: unknown key {where}{key!r} ignored", stacklevel=3)
+
+
+def _int(value: object, key: str, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value != int(value) or value < minimum:
+        raise ValueError(f"zero config: {key} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _float(value: object, key: str, minimum: float = 0.0) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= minimum:
+        raise ValueError(f"zero config: {key} must be a number >= {minimum}, got {value!r}")
+    return float(value)
+
+
+def _bool(value: object, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"zero config: {key} must be true or false, got {value!r}")
+    return value
+
+
+def _get(section: dict, key: str, default: object, auto: object, where: str = "") -> object:
+    value = section.get(key, default)
+    return auto if value == AUTO else value
+
+
+def resolve_batch(raw: dict, world_size: int) -> tuple[int, int, int]:
+    """DeepSpeed's rule: train_batch_size = micro * accumulation * world_size;
+    any missing (or "auto") one is derived from the others (micro 1 and
+    accumulation 1 when nothing is given)."""
+    names = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    train, micro, accum = (None if raw.get(k, AUTO) == AUTO else _int(raw[k], k, 1) for k in names)
+    if train is not None and micro is not None and accum is None:
+        accum = train // (micro * world_size)
+    elif train is not None and accum is not None and micro is None:
+        micro = train // (accum * world_size)
+    elif train is not None and micro is None and accum is None:
+        accum, micro = 1, train // world_size
+    micro, accum = micro or 1, accum or 1
+    train = train if train is not None else micro * accum * world_size
+    if micro < 1 or accum < 1 or train != micro * accum * world_size:
+        raise ValueError(f"zero config: train_batch_size ({train}) != train_micro_batch_size_per_gpu ({micro}) * "
+                         f"gradient_accumulation_steps ({accum}) * world_size ({world_size})")
+    return train, micro, accum
+
+
+def _dtype(raw: dict, facts: ModelFacts) -> str:
+    fp16, bf16 = raw.get("fp16", {}), raw.get("bf16", {})
+    fp16_on = _bool(_get(fp16, "enabled", False, facts.param_dtype == "float16"), "fp16.enabled")
+    bf16_on = _bool(_get(bf16, "enabled", False, facts.param_dtype == "bfloat16"), "bf16.enabled")
+    if fp16_on and bf16_on:
+        raise ValueError("zero config: fp16.enabled and bf16.enabled are both true")
+    return "float16" if fp16_on else "bfloat16" if bf16_on else "float32"
+
+
+def _scaler(section: dict) -> ScalerOptions:
+    _warn_unknown(section, FP16_KEYS, "fp16.")
+    d = ScalerOptions()
+    return ScalerOptions(
+        loss_scale=_float(_get(section, "loss_scale", d.loss_scale, d.loss_scale), "fp16.loss_scale"),
+        initial_scale_power=_int(_get(section, "initial_scale_power", 16, 16), "fp16.initial_scale_power"),
+        loss_scale_window=_int(_get(section, "loss_scale_window", 1000, 1000), "fp16.loss_scale_window", 1),
+        hysteresis=_int(_get(section, "hysteresis", 2, 2), "fp16.hysteresis", 1),
+        min_loss_scale=_float(_get(section, "min_loss_scale", 1.0, 1.0), "fp16.min_loss_scale", 1e-30),
+        consecutive_hysteresis=_bool(section.get("consecutive_hysteresis", False), "fp16.consecutive_hysteresis"))
+
+
+def _offload(section: object, key: str) -> str:
+    if section is None:
+        return "none"
+    if not isinstance(section, dict):
+        raise ValueError(f"zero config: zero_optimization.{key} must be an object, got {section!r}")
+    _warn_unknown(section, OFFLOAD_KEYS, f"zero_optimization.{key}.")
+    device = section.get("device", "none")
+    if device not in ("none", "cpu", "nvme"):
+        raise ValueError(f"zero config: zero_optimization.{key}.device must be none/cpu/nvme, got {device!r}")
+    if device == "nvme" and not section.get("nvme_path"):
+        raise ValueError(f"zero config: zero_optimization.{key}.nvme_path is required with device nvme")
+    return device
+
+
+def _zero(section: dict, facts: ModelFacts) -> ZeroOptions:
+    _warn_unknown(section, ZERO_KEYS, "zero_optimization.")
+    h, d, z = facts.hidden_size, ZeroOptions(), "zero_optimization."
+    stage = section.get("stage", 0)
+    if stage not in STAGES or isinstance(stage, bool):
+        raise ValueError(f"zero config: zero_optimization.stage must be one of {STAGES}, got {stage!r}")
+    sizes = {key: _int(_get(section, key, default, auto), z + key, minimum) for key, default, auto, minimum in (
+        ("reduce_bucket_size", d.reduce_bucket_size, h * h, 1),
+        ("allgather_bucket_size", d.allgather_bucket_size, h * h, 1),
+        ("stage3_prefetch_bucket_size", d.prefetch_bucket_size, int(0.9 * h * h), 0),
+        ("stage3_param_persistence_threshold", d.param_persistence_threshold, 10 * h, 0),
+        ("stage3_max_live_parameters", d.max_live_parameters, d.max_live_parameters, 0),
+        ("stage3_max_reuse_distance", d.max_reuse_distance, d.max_reuse_distance, 0),
+        ("sub_group_size", d.sub_group_size, d.sub_group_size, 1))}
+    flags = {key: _bool(_get(section, key, default, default), z + key) for key, default in (
+        ("overlap_comm", True), ("contiguous_gradients", True), ("reduce_scatter", True),
+        ("stage3_gather_16bit_weights_on_model_save", False), ("allgather_partitions", True),
+        ("round_robin_gradients", False))}
+    return ZeroOptions(
+        stage=stage, reduce_bucket_size=sizes["reduce_bucket_size"],
+        allgather_bucket_size=sizes["allgather_bucket_size"], overlap_comm=flags["overlap_comm"],
+        contiguous_gradients=flags["contiguous_gradients"], reduce_scatter=flags["reduce_scatter"],
+        prefetch_bucket_size=sizes["stage3_prefetch_bucket_size"],
+        param_persistence_threshold=sizes["stage3_param_persistence_threshold"],
+        max_live_parameters=sizes["stage3_max_live_parameters"],
+        max_reuse_distance=sizes["stage3_max_reuse_distance"],
+        gather_16bit_weights_on_model_save=flags["stage3_gather_16bit_weights_on_model_save"],
+        sub_group_size=sizes["sub_group_size"], offload_optimizer=_offload(section.get("offload_optimizer"),
+                                                                           "offload_optimizer"),
+        offload_param=_offload(section.get("offload_param"), "offload_param"))
+
+
+def _optimizer(section: object) -> dict | None:
+    if section is None:
+        return None
+    if not isinstance(section, dict) or not isinstance(section.get("type"), str):
+        raise ValueError(f"zero config: optimizer must be an object with a string 'type', got {section!r}")
+    if section["type"].lower() not in OPTIMIZERS:
+        raise ValueError(f"zero config: optimizer.type {section['type']!r} is not one of Adam, AdamW, SGD")
+    params = section.get("params", {})
+    if not isinstance(params, dict):
+        raise ValueError(f"zero config: optimizer.params must be an object, got {params!r}")
+    return {"type": section["type"].lower(), "params": dict(params)}
+
+
+def _scheduler(section: object) -> dict | None:
+    if section is None:
+        return None
+    if not isinstance(section, dict) or section.get("type") not in SCHEDULERS:
+        raise ValueError(f"zero config: scheduler.type must be one of {SCHEDULERS}, got {section!r}")
+    return {"type": section["type"], "params": dict(section.get("params", {}))}
+
+
+def _activation_checkpointing(section: object) -> dict | None:
+    if section is None:
+        return None
+    if not isinstance(section, dict):
+        raise ValueError(f"zero config: activation_checkpointing must be an object, got {section!r}")
+    _warn_unknown(section, CHECKPOINT_KEYS, "activation_checkpointing.")
+    for key in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization"):
+        _bool(section.get(key, False), f"activation_checkpointing.{key}")
+    if section.get("number_checkpoints") is not None:
+        _int(section["number_checkpoints"], "activation_checkpointing.number_checkpoints", 1)
+    return dict(section)
+
+
+def parse(config: str | os.PathLike | dict, facts: ModelFacts) -> EngineConfig:
+    """The engine's view of a DeepSpeed config."""
+    raw = load(config)
+    _warn_unknown(raw, TOP_KEYS, "")
+    for key in ("fp16", "bf16", "zero_optimization"):
+        if not isinstance(raw.get(key, {}), dict):
+            raise ValueError(f"zero config: {key} must be an object, got {raw[key]!r}")
+    train, micro, accum = resolve_batch(raw, facts.world_size)
+    zero = _zero(raw.get("zero_optimization", {}), facts)
+    checkpointing = _activation_checkpointing(raw.get("activation_checkpointing"))
+    backend = raw.get("comm_backend")
+    if backend not in (None, "ringcomm", "torch"):
+        raise ValueError(f"zero config: comm_backend must be 'ringcomm' or 'torch', got {backend!r}")
+    not_implemented = tuple(
+        note for note, on in ((f"zero_optimization.offload_optimizer (device {zero.offload_optimizer})",
+                               zero.offload_optimizer != "none"),
+                              (f"zero_optimization.offload_param (device {zero.offload_param})",
+                               zero.offload_param != "none"),
+                              ("activation_checkpointing", checkpointing is not None)) if on)
+    return EngineConfig(
+        train_batch_size=train, micro_batch_size=micro, gradient_accumulation_steps=accum,
+        gradient_clipping=_float(_get(raw, "gradient_clipping", 0.0, 1.0), "gradient_clipping"),
+        dtype=_dtype(raw, facts), scaler=_scaler(raw.get("fp16", {})), zero=zero,
+        optimizer=_optimizer(raw.get("optimizer")), scheduler=_scheduler(raw.get("scheduler")),
+        allow_untested_optimizer=_bool(raw.get("zero_allow_untested_optimizer", False),
+                                       "zero_allow_untested_optimizer"),
+        activation_checkpointing=checkpointing, comm_backend=backend, not_implemented=not_implemented)

@@ -1,0 +1,149 @@
+"""ZeroEngine: DeepSpeed's training-loop surface (forward, backward, step) over
+a ParamGroup, with loss scaling, clipping, accumulation and accounting."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from .accounting import MemoryReport, memory_report
+from .comm import Comm
+from .config import EngineConfig
+from .gather import UnitGatherer
+from .param_group import ParamGroup
+from .precision import LossScaler
+
+
+@dataclass(slots=True)
+class EngineParts:
+    """What build.py assembles and the engine runs."""
+
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object | None
+    config: EngineConfig
+    group: ParamGroup
+    gatherer: UnitGatherer | None
+    scaler: LossScaler
+    comm: Comm
+    dtype: torch.dtype
+
+
+class ZeroEngine:
+    """engine(batch); engine.backward(loss); engine.step(), as in DeepSpeed."""
+
+    def __init__(self, parts: EngineParts) -> None:
+        self.parts = parts
+        self.module = parts.module
+        self.optimizer = parts.optimizer
+        self.lr_scheduler = parts.scheduler
+        self.config = parts.config
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self.last_step_sent_nbytes = 0
+        self._global_grad_norm: float | None = None
+
+    # ---- DeepSpeed surface ---------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        """Runs the module; floating-point inputs are cast to the model dtype."""
+        if self.parts.gatherer is not None:
+            self.parts.gatherer.start_forward()
+        dtype = self.parts.dtype
+
+        def cast(x):
+            return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+        return self.module(*tree_map(cast, args), **tree_map(cast, kwargs))
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Scales the loss (loss scale / accumulation steps), back-propagates and
+        reduces the gradients (overlapped with backward by the bucket hooks)."""
+        group = self.parts.group
+        group.boundary = self.is_gradient_accumulation_boundary()
+        scale = self.parts.scaler.scale / self.gradient_accumulation_steps()
+        (loss.float() * scale).backward()
+        group.finish_backward()
+
+    def step(self) -> None:
+        """Updates the parameters at an accumulation boundary (no-op otherwise)."""
+        if self.is_gradient_accumulation_boundary():
+            if self._take_step() and self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            self.global_steps += 1
+            self.last_step_sent_nbytes = self.parts.comm.sent_nbytes
+            self.parts.comm.sent_nbytes = 0
+        self.micro_steps += 1
+
+    def _take_step(self) -> bool:
+        """Returns False when fp16 overflowed and the step was skipped."""
+        group, scaler = self.parts.group, self.parts.scaler
+        grads = group.owned_grads_fp32()
+        used_scale = scaler.scale  # the scale these gradients carry; update() may change it
+        norm = group.grad_norm(grads) / used_scale
+        overflow = scaler.dynamic and not torch.isfinite(torch.tensor(norm)).item()
+        if scaler.update(overflow):
+            self.skipped_steps += 1
+            self._global_grad_norm = norm
+            group.zero_grads()
+            return False
+        self._global_grad_norm = norm
+        coef = 1.0 / used_scale
+        clip = self.config.gradient_clipping
+        if clip > 0 and clip / (norm + 1e-6) < 1.0:
+            coef *= clip / (norm + 1e-6)
+        group.set_master_grads(grads, coef)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        group.publish_masters()
+        group.zero_grads()
+        return True
+
+    def zero_grad(self) -> None:
+        self.parts.group.zero_grads()
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.micro_batch_size
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def get_global_grad_norm(self) -> float | None:
+        return self._global_grad_norm
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    @property
+    def loss_scale(self) -> float:
+        return self.parts.scaler.scale
+
+    def train(self, mode: bool = True) -> ZeroEngine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> ZeroEngine:
+        return self.train(False)
+
+    # ---- accounting ------------------------------------------------------------------
+    def memory_report(self) -> MemoryReport:
+        """Model-state bytes this rank holds, communication buffers apart."""
+        return memory_report(self.parts.group, self.optimizer)
+
+    def full_params_fp32(self) -> list[torch.Tensor]:
+        """Every trainable parameter's fp32 master, whole (a collective)."""
+        return self.parts.group.full_masters()
+
+    def wire_report(self) -> int:
+        """Bytes this rank sent in the last step (ring volume of its collectives)."""
+        return self.last_step_sent_nbytes

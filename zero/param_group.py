@@ -1,0 +1,249 @@
+"""ParamGroup: the model's trainable parameters in units (buckets), honouring a
+ShardingPolicy: what it keeps whole or as this rank's chunk, how gradients are
+reduced, and the optimizer step on the fp32 master shard.
+
+[Note: one class, every stage]
+    policy.shard_optimizer  grads are reduce-scattered (else all-reduced); the
+                            master weights and optimizer states cover only this
+                            rank's chunk of each unit; resident units are
+                            all-gathered after the step.
+    policy.shard_grads      reduce every micro-step from a transient bucket into
+                            a chunk-sized accumulator (else accumulate whole
+                            gradients locally and reduce at the boundary).
+    policy.shard_params     units are not resident: only the chunk is kept and
+                            gather.py unshards a unit around its module's use.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .comm import Comm, Handle
+from .partition import ShardingPolicy, UnitPlan
+
+
+class Unit:
+    """One unit's tensors. `full` holds the whole padded unit (always for a
+    resident unit, while gathered otherwise); `shard` is this rank's chunk."""
+
+    def __init__(self, plan: UnitPlan, params: list[nn.Parameter], full: torch.Tensor | None,
+                 shard: torch.Tensor, rank: int) -> None:
+        self.plan = plan
+        self.params = params
+        self.shapes = [p.shape for p in params]
+        self.full = full
+        self.shard = shard
+        self.rank = rank
+        self.grad: torch.Tensor | None = None  # whole-unit gradient bucket
+        self.grad_owned: torch.Tensor | None = None  # reduced gradient of the owned span
+        self.master: torch.Tensor | None = None  # fp32 owned span (may alias the params)
+        self.master_views: list[tuple[torch.Tensor, int, int]] = []  # optimizer parameters
+        self.owned: tuple[int, int] = (0, plan.padded_numel)
+        self.num_ready = 0
+        self.reduction: Handle | None = None
+        self.gather: Handle | None = None
+
+    def bind_params(self) -> None:
+        """Points every parameter at its slice of `full` (or at nothing)."""
+        for param, slot, shape in zip(self.params, self.plan.slots, self.shapes):
+            if self.full is None:
+                param.data = torch.empty(0, dtype=self.shard.dtype)
+            else:
+                param.data = self.full[slot.begin:slot.end].view(shape)
+
+    def start_unshard(self, comm: Comm) -> None:
+        if self.full is None and self.gather is None:
+            self.full = torch.empty(self.plan.padded_numel, dtype=self.shard.dtype)
+            self.gather = comm.all_gather(self.full, self.shard, async_op=True)
+
+    def finish_unshard(self, comm: Comm) -> None:
+        self.start_unshard(comm)
+        if self.gather is not None:
+            self.gather.wait()
+            self.gather = None
+            self.bind_params()
+
+    def reshard(self) -> None:
+        if self.plan.resident or self.full is None:
+            return
+        if self.gather is not None:
+            self.gather.wait()
+            self.gather = None
+        self.full = None
+        self.bind_params()
+
+
+def build_units(params: list[nn.Parameter], plans: tuple[UnitPlan, ...], rank: int, comm: Comm) -> list[Unit]:
+    """Copies parameters into unit buffers (rank 0's values win), then keeps
+    only the chunk of non-resident units."""
+    units = []
+    for plan in plans:
+        members = [params[slot.index] for slot in plan.slots]
+        dtype = members[0].dtype
+        full = torch.zeros(plan.padded_numel, dtype=dtype)
+        for param, slot in zip(members, plan.slots):
+            full[slot.begin:slot.end].copy_(param.detach().reshape(-1))
+        comm.broadcast(full, 0)
+        begin, end = plan.chunk(rank)
+        shard = full[begin:end] if plan.resident else full[begin:end].clone()
+        unit = Unit(plan, members, full if plan.resident else None, shard, rank)
+        unit.bind_params()
+        units.append(unit)
+    return units
+
+
+class ParamGroup:
+    """Units of the model plus the reduction and update rules of a policy."""
+
+    def __init__(self, units: list[Unit], policy: ShardingPolicy, comm: Comm, accumulation_steps: int) -> None:
+        self.units = units
+        self.policy = policy
+        self.comm = comm
+        self.accumulation_steps = accumulation_steps
+        self.boundary = True
+        self.launched: list[Unit] = []
+        self.transient_nbytes = 0
+        self.peak_transient_nbytes = 0
+
+    # ---- set-up -------------------------------------------------------------
+    def setup_masters(self) -> list[tuple[int, torch.Tensor]]:
+        """Allocates the owned gradient and fp32 master of every unit; returns
+        (parameter index, master slice) pairs, the optimizer's parameters."""
+        out = []
+        for unit in self.units:
+            plan, full_or_shard = unit.plan, unit.full if unit.full is not None else unit.shard
+            if self.policy.shard_optimizer:
+                unit.owned = plan.chunk(unit.rank)
+                source = unit.shard
+            else:
+                source = full_or_shard
+            numel = unit.owned[1] - unit.owned[0]
+            if not self.policy.shard_grads:
+                unit.grad = torch.zeros(plan.padded_numel, dtype=unit.shard.dtype)
+                unit.grad_owned = unit.grad[unit.owned[0]:unit.owned[1]]
+            else:
+                unit.grad_owned = torch.zeros(numel, dtype=unit.shard.dtype)
+            unit.master = source if source.dtype == torch.float32 else source.float()
+            unit.master_views = []
+            for slot, lo, hi in plan.owned_slices(*unit.owned):
+                view = unit.master[lo - unit.owned[0]:hi - unit.owned[0]].requires_grad_()
+                unit.master_views.append((view, lo - unit.owned[0], hi - unit.owned[0]))
+                out.append((slot.index, view))
+        return out
+
+    def register_grad_hooks(self) -> list:
+        handles = []
+        for unit in self.units:
+            for param, slot in zip(unit.params, unit.plan.slots):
+                handles.append(param.register_post_accumulate_grad_hook(self._hook(unit, slot)))
+        return handles
+
+    # ---- backward ------------------------------------------------------------
+    def _hook(self, unit: Unit, slot):
+        def on_grad(param: nn.Parameter) -> None:
+            self.add_grad(unit, slot.begin, slot.end, param)
+        return on_grad
+
+    def add_grad(self, unit: Unit, begin: int, end: int, param: nn.Parameter) -> None:
+        """Adds a parameter's gradient (pre-divided by world_size) to its bucket;
+        launches the bucket's reduction once its last gradient arrived."""
+        if unit.grad is None:
+            unit.grad = torch.zeros(unit.plan.padded_numel, dtype=unit.shard.dtype)
+            self._track(unit.grad.nbytes)
+        unit.grad[begin:end].add_(param.grad.reshape(-1), alpha=1.0 / self.comm.world_size)
+        param.grad = None
+        unit.num_ready += 1
+        if unit.num_ready == len(unit.params) and self._reduce_now():
+            self.start_reduce(unit)
+
+    def _reduce_now(self) -> bool:
+        return self.policy.shard_grads or self.boundary
+
+    def start_reduce(self, unit: Unit) -> None:
+        if unit.reduction is not None:
+            return
+        if unit.grad is None:  # no gradient reached this unit (unused parameters)
+            unit.grad = torch.zeros(unit.plan.padded_numel, dtype=unit.shard.dtype)
+            self._track(unit.grad.nbytes)
+        if self.policy.shard_optimizer:
+            begin, end = unit.plan.chunk(unit.rank)
+            unit.reduction = self.comm.reduce_scatter(unit.grad[begin:end], unit.grad, async_op=True)
+        else:
+            unit.reduction = self.comm.all_reduce(unit.grad, async_op=True)
+        self.launched.append(unit)
+        if self.policy.shard_params:
+            unit.reshard()
+
+    def finish_backward(self) -> None:
+        """After loss.backward(): reduces what no hook reduced, waits for every
+        reduction, folds transient buckets into the owned accumulators."""
+        if self._reduce_now():
+            for unit in self.units:
+                self.start_reduce(unit)
+        for unit in self.launched:
+            unit.reduction.wait()
+            unit.reduction = None
+            if self.policy.shard_grads:
+                begin, end = unit.plan.chunk(unit.rank)
+                unit.grad_owned.add_(unit.grad[begin:end])
+                self._track(-unit.grad.nbytes)
+                unit.grad = None
+        self.launched = []
+        for unit in self.units:
+            unit.num_ready = 0
+            unit.reshard()
+
+    def _track(self, nbytes: int) -> None:
+        self.transient_nbytes += nbytes
+        self.peak_transient_nbytes = max(self.peak_transient_nbytes, self.transient_nbytes)
+
+    # ---- step ------------------------------------------------------------------
+    def owned_grads_fp32(self) -> list[torch.Tensor]:
+        return [u.grad_owned if u.grad_owned.dtype == torch.float32 else u.grad_owned.float() for u in self.units]
+
+    def grad_norm(self, grads: list[torch.Tensor]) -> float:
+        """Global L2 norm of the (still scaled) reduced gradients."""
+        total = torch.zeros(1, dtype=torch.float64)
+        for g in grads:
+            total += g.double().pow(2).sum()
+        if self.policy.shard_optimizer:
+            self.comm.all_reduce(total)
+        return float(total.sqrt())
+
+    def set_master_grads(self, grads: list[torch.Tensor], coef: float) -> None:
+        """Hands the optimizer its gradients: owned slices times `coef` (unscale, clip)."""
+        for unit, g in zip(self.units, grads):
+            for view, begin, end in unit.master_views:
+                view.grad = g[begin:end].mul(coef)
+
+    def publish_masters(self) -> None:
+        """Copies updated masters into the parameters; all-gathers resident units."""
+        works = []
+        for unit in self.units:
+            target = unit.shard if self.policy.shard_optimizer else (unit.full if unit.full is not None else unit.shard)
+            if target.data_ptr() != unit.master.data_ptr():
+                target.copy_(unit.master)
+            if self.policy.shard_optimizer and unit.plan.resident:
+                works.append(self.comm.all_gather(unit.full, unit.shard, async_op=True))
+        for work in works:
+            work.wait()
+
+    def full_masters(self) -> list[torch.Tensor]:
+        """Every parameter's whole fp32 master, in parameter-index order (collective;
+        for checkpoints and tests, not counted as step traffic)."""
+        sent, out = self.comm.sent_nbytes, {}
+        for unit in self.units:
+            whole = unit.master
+            if self.policy.shard_optimizer:
+                whole = torch.empty(unit.plan.padded_numel, dtype=torch.float32)
+                self.comm.all_gather(whole, unit.master.contiguous()).wait()
+            for slot, shape in zip(unit.plan.slots, unit.shapes):
+                out[slot.index] = whole[slot.begin:slot.end].detach().clone().view(shape)
+        self.comm.sent_nbytes = sent
+        return [out[i] for i in sorted(out)]
+
+    def zero_grads(self) -> None:
+        for unit in self.units:
+            unit.grad_owned.zero_()
+            if unit.grad is not None:
+                unit.grad.zero_()
