@@ -18,7 +18,7 @@ import zero
 # normalizes the update, so one rounding flip moves a parameter by up to ~lr.
 # Parameters are compared by their update: |p - ref| <= tol * |ref - initial| per tensor (L2),
 # plus an elementwise bound for fp32.
-TOLERANCE = {"fp32": (1e-5, 1e-3), "bf16": (3e-2, 0.2), "fp16": (5e-3, 0.05)}  # (loss rtol, update rtol)
+TOLERANCE = {"fp32": (1e-5, 1e-3), "bf16": (3e-2, 0.35), "fp16": (5e-3, 0.1)}  # (loss rtol, update rtol)
 
 
 def engine_train(rank: int, world_size: int, kind: str, stage: int, dtype_name: str, accumulation: int,
