@@ -32,11 +32,26 @@ def init_distributed() -> None:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
-def model_facts(model: nn.Module, world_size: int) -> config_mod.ModelFacts:
+ARGUMENTS = {  # config key <- attribute of `args` (DeepSpeed/HF launcher arguments), for "auto"
+    "train_micro_batch_size_per_gpu": ("train_micro_batch_size_per_gpu", "per_device_train_batch_size"),
+    "gradient_accumulation_steps": ("gradient_accumulation_steps",),
+    "train_batch_size": ("train_batch_size",),
+    "gradient_clipping": ("gradient_clipping", "max_grad_norm"),
+}
+
+
+def model_facts(model: nn.Module, world_size: int, args: object = None) -> config_mod.ModelFacts:
     params = list(model.parameters())
     dtype = str(params[0].dtype).removeprefix("torch.") if params else "float32"
     hidden = max((min(p.shape) for p in params if p.dim() == 2), default=1024)
-    return config_mod.ModelFacts(world_size, dtype, hidden)
+    given = {}
+    for key, names in ARGUMENTS.items():
+        for name in names:
+            value = args.get(name) if isinstance(args, dict) else getattr(args, name, None)
+            if value is not None:
+                given[key] = value
+                break
+    return config_mod.ModelFacts(world_size, dtype, hidden, given)
 
 
 def trainable_params(model: nn.Module) -> list[nn.Parameter]:
@@ -92,10 +107,10 @@ def make_scheduler(lr_scheduler, optimizer, cfg: config_mod.EngineConfig):
 
 
 def build_engine(model: nn.Module, optimizer=None, model_parameters=None, lr_scheduler=None,
-                 config=None, comm_backend: str | None = None) -> ZeroEngine:
+                 config=None, comm_backend: str | None = None, args: object = None) -> ZeroEngine:
     init_distributed()
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    cfg = config_mod.parse(config if config is not None else {}, model_facts(model, world_size))
+    cfg = config_mod.parse(config if config is not None else {}, model_facts(model, world_size, args))
     for note in cfg.not_implemented:
         message = f"zero: {note} is parsed and validated but not implemented yet (a later issue); ignored"
         warnings.warn(message, stacklevel=3)

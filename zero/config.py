@@ -44,6 +44,7 @@ class ModelFacts:
     world_size: int
     param_dtype: str  # "float32" | "float16" | "bfloat16"
     hidden_size: int
+    arguments: dict = field(default_factory=dict)  # config key -> value given by the caller, for "auto"
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,12 +123,14 @@ def _get(section: dict, key: str, default: object, auto: object, where: str = ""
     return auto if value == AUTO else value
 
 
-def resolve_batch(raw: dict, world_size: int) -> tuple[int, int, int]:
+def resolve_batch(raw: dict, world_size: int, arguments: dict | None = None) -> tuple[int, int, int]:
     """DeepSpeed's rule: train_batch_size = micro * accumulation * world_size;
-    any missing (or "auto") one is derived from the others (micro 1 and
-    accumulation 1 when nothing is given)."""
+    "auto" takes the caller's argument, and any missing one is derived from
+    the others (micro 1 and accumulation 1 when nothing is given)."""
     names = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-    train, micro, accum = (None if raw.get(k, AUTO) == AUTO else _int(raw[k], k, 1) for k in names)
+    arguments = arguments or {}
+    values = {k: arguments.get(k) if raw.get(k, AUTO) == AUTO else raw[k] for k in names}
+    train, micro, accum = (None if values[k] is None else _int(values[k], k, 1) for k in names)
     if train is not None and micro is not None and accum is None:
         accum = train // (micro * world_size)
     elif train is not None and accum is not None and micro is None:
@@ -250,7 +253,7 @@ def parse(config: str | os.PathLike | dict, facts: ModelFacts) -> EngineConfig:
     for key in ("fp16", "bf16", "zero_optimization"):
         if not isinstance(raw.get(key, {}), dict):
             raise ValueError(f"zero config: {key} must be an object, got {raw[key]!r}")
-    train, micro, accum = resolve_batch(raw, facts.world_size)
+    train, micro, accum = resolve_batch(raw, facts.world_size, facts.arguments)
     zero = _zero(raw.get("zero_optimization", {}), facts)
     checkpointing = _activation_checkpointing(raw.get("activation_checkpointing"))
     backend = raw.get("comm_backend")
@@ -264,7 +267,8 @@ def parse(config: str | os.PathLike | dict, facts: ModelFacts) -> EngineConfig:
                               ("activation_checkpointing", checkpointing is not None)) if on)
     return EngineConfig(
         train_batch_size=train, micro_batch_size=micro, gradient_accumulation_steps=accum,
-        gradient_clipping=_float(_get(raw, "gradient_clipping", 0.0, 1.0), "gradient_clipping"),
+        gradient_clipping=_float(_get(raw, "gradient_clipping", 0.0, facts.arguments.get("gradient_clipping", 1.0)),
+                                 "gradient_clipping"),
         dtype=_dtype(raw, facts), scaler=_scaler(raw.get("fp16", {})), zero=zero,
         optimizer=_optimizer(raw.get("optimizer")), scheduler=_scheduler(raw.get("scheduler")),
         allow_untested_optimizer=_bool(raw.get("zero_allow_untested_optimizer", False),

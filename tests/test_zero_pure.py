@@ -1,0 +1,132 @@
+"""Pure tests of zero: stage policy and unit plans, config parsing, loss scaler."""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import warnings
+
+import pytest
+
+import zero_reference  # noqa: F401  (puts the repo root on sys.path)
+from zero import config as cfg
+from zero.partition import ShardingPolicy, bucket_units, make_unit, module_units, wire_numel
+from zero.precision import DynamicLossScaler, ScalerOptions
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(os.path.dirname(ROOT), "shared", "configs")
+FACTS = cfg.ModelFacts(world_size=4, param_dtype="float32", hidden_size=64)
+
+
+def test_partition_imports_only_stdlib() -> None:
+    tree = ast.parse(open(os.path.join(ROOT, "zero", "partition.py")).read())
+    for node in ast.walk(tree):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+        for name in names:
+            assert name.split(".")[0] in ("__future__", "dataclasses", "typing", "math"), f"partition imports {name}"
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_policy_is_data(stage: int) -> None:
+    policy = ShardingPolicy.for_stage(stage)
+    assert policy.stage == stage
+    assert (policy.shard_optimizer, policy.shard_grads, policy.shard_params) == (stage >= 1, stage >= 2, stage >= 3)
+    with pytest.raises(ValueError, match="stage"):
+        ShardingPolicy.for_stage(4)
+
+
+@pytest.mark.parametrize("world_size", range(1, 9))
+def test_units_cover_every_parameter_once(world_size: int) -> None:
+    numels = [0, 1, 7, 13, 1000, 3, 64, 5]  # awkward: empty, primes, bigger than a bucket
+    for units in (bucket_units(numels, world_size, 50),
+                  module_units([[0, 1], [2, 3, 4], [5], [6, 7]], numels, world_size, 6)):
+        seen = sorted(slot.index for u in units for slot in u.slots)
+        assert seen == list(range(len(numels))), f"{world_size=}: {seen}"
+        for u in units:
+            assert u.padded_numel % world_size == 0 and u.padded_numel >= u.numel, f"{world_size=} {u}"
+            owned = [u.owned_slices(*u.chunk(r)) for r in range(world_size)]
+            assert sum(hi - lo for o in owned for _, lo, hi in o) == u.numel, f"{world_size=} {u}"
+    units = bucket_units(numels, world_size, 50)
+    assert units[0].slots[0].index == len(numels) - 1, "buckets start with the last parameter (ready first)"
+    stage3 = module_units([[0, 1], [2, 3, 4], [5], [6, 7]], numels, world_size, 6)
+    assert [u.resident for u in stage3] == [False, False, True], "group [0, 1] is all below the threshold"
+    assert sorted(s.index for s in stage3[-1].slots) == [0, 1, 5, 7], "params below the threshold stay resident"
+
+
+def test_wire_numel_ring_volume() -> None:
+    assert wire_numel("reduce_scatter", 1200, 4) == 900 and wire_numel("all_gather", 1200, 4) == 900
+    assert wire_numel("all_reduce", 1200, 4) == 1800 and wire_numel("all_reduce", 1200, 1) == 0
+    assert make_unit([0], [10], 4, True).padded_numel == 12
+
+
+def test_batch_rule_and_auto() -> None:
+    assert cfg.resolve_batch({"train_batch_size": 32, "gradient_accumulation_steps": 2}, 4) == (32, 4, 2)
+    assert cfg.resolve_batch({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 2}, 4) == (32, 2, 4)
+    assert cfg.resolve_batch({"train_micro_batch_size_per_gpu": 3}, 2) == (6, 3, 1)
+    assert cfg.resolve_batch({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+                              "gradient_accumulation_steps": "auto"}, 2,
+                             {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3}) == (24, 4, 3)
+    with pytest.raises(ValueError, match="train_batch_size"):
+        cfg.resolve_batch({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4,
+                           "gradient_accumulation_steps": 2}, 4)
+
+
+@pytest.mark.parametrize("bad, key", [
+    ({"zero_optimization": {"stage": 5}}, "zero_optimization.stage"),
+    ({"zero_optimization": {"reduce_bucket_size": -1}}, "zero_optimization.reduce_bucket_size"),
+    ({"zero_optimization": {"overlap_comm": "yes"}}, "zero_optimization.overlap_comm"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}}, "offload_optimizer.device"),
+    ({"fp16": {"enabled": True, "hysteresis": 0}}, "fp16.hysteresis"),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "bf16.enabled"),
+    ({"gradient_clipping": -1.0}, "gradient_clipping"),
+    ({"optimizer": {"type": "Lamb"}}, "optimizer.type"),
+    ({"scheduler": {"type": "OneCycle"}}, "scheduler.type"),
+    ({"train_micro_batch_size_per_gpu": 0}, "train_micro_batch_size_per_gpu"),
+    ({"activation_checkpointing": {"number_checkpoints": 0}}, "activation_checkpointing.number_checkpoints"),
+])
+def test_invalid_values_name_the_key(bad: dict, key: str) -> None:
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        cfg.parse(bad, FACTS)
+
+
+def test_unknown_keys_warn() -> None:
+    with pytest.warns(UserWarning, match="'no_such_key'"):
+        cfg.parse({"no_such_key": 1}, FACTS)
+    with pytest.warns(UserWarning, match="zero_optimization.'stage4_magic'"):
+        cfg.parse({"zero_optimization": {"stage4_magic": 1}}, FACTS)
+
+
+@pytest.mark.parametrize("name", ["ds_zero2_config.json", "ds_zero3_config.json"])
+def test_shared_configs_parse_with_auto_resolved(name: str) -> None:
+    facts = cfg.ModelFacts(2, "float16", 64, {"train_micro_batch_size_per_gpu": 4})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no unknown key in the users' configs
+        parsed = cfg.parse(os.path.join(CONFIGS, name), facts)
+    raw = json.load(open(os.path.join(CONFIGS, name)))
+    assert parsed.zero.stage == raw["zero_optimization"]["stage"]
+    assert (parsed.train_batch_size, parsed.micro_batch_size, parsed.gradient_accumulation_steps) == (8, 4, 1)
+    assert parsed.dtype == "float16" and parsed.gradient_clipping == 1.0 and parsed.scaler.hysteresis == 2
+    assert any("offload_optimizer" in note for note in parsed.not_implemented)
+    if parsed.zero.stage == 3:
+        assert parsed.zero.reduce_bucket_size == 64 * 64 and parsed.zero.param_persistence_threshold == 640
+
+
+def run_scaler(pattern: str, **options) -> list[float]:
+    scaler = DynamicLossScaler(ScalerOptions(**options))
+    scales = []
+    for flag in pattern:
+        scaler.update(flag == "x")
+        scales.append(scaler.scale)
+    return scales
+
+
+def test_dynamic_loss_scaler_rules() -> None:
+    base = dict(initial_scale_power=4, loss_scale_window=3, hysteresis=2, min_loss_scale=1.0)
+    # x = overflow, . = clean. Hysteresis 2: the first overflow spends the budget,
+    # the second halves; 3 clean steps since the last overflow double and refill.
+    assert run_scaler("xx...x.x", **base) == [16, 8, 8, 8, 16, 16, 16, 8]
+    # consecutive_hysteresis: a clean step refills the budget, so x.x never halves
+    assert run_scaler("xx...x.x", consecutive_hysteresis=True, **base) == [16, 8, 8, 8, 16, 16, 16, 16]
+    assert run_scaler("xxxx", initial_scale_power=1, hysteresis=1, min_loss_scale=1.0) == [1, 1, 1, 1]
+    assert run_scaler("......", initial_scale_power=0, loss_scale_window=2, hysteresis=1) == [1, 2, 2, 4, 4, 8]
