@@ -1,0 +1,98 @@
+"""Multi-process: model-state bytes per rank (ZeRO paper), wire bytes per step,
+and forced fp16 overflows moving the loss scale identically on every rank."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from harness import run_ranks
+import zero_reference  # noqa: F401  (puts the repo root on sys.path)
+
+import zero
+
+PAPER = {  # model-state bytes per rank / psi, mixed precision Adam (K = 12)
+    0: lambda n: 16.0, 1: lambda n: 4 + 12 / n, 2: lambda n: 2 + 14 / n, 3: lambda n: 16 / n}
+WIRE = {0: 2, 1: 2, 2: 2, 3: 3}  # elements sent per rank per step / (psi (n-1)/n)
+
+
+def make_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(100, 100), nn.ReLU(), nn.Linear(100, 100), nn.ReLU(), nn.Linear(100, 10))
+
+
+def config(stage: int, dtype_name: str, **fp16) -> dict:
+    return {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0,
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+            "fp16": {"enabled": dtype_name == "fp16", "initial_scale_power": 8, **fp16},
+            "bf16": {"enabled": dtype_name == "bf16"},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 4096, "stage3_param_persistence_threshold": 0}}
+
+
+def train_step(engine, rank: int, step: int) -> None:
+    g = torch.Generator().manual_seed(10 * step + rank)
+    x, y = torch.randn(4, 100, generator=g), torch.randn(4, 10, generator=g)
+    engine.backward(nn.functional.mse_loss(engine(x).float(), y))
+    engine.step()
+
+
+def check_memory_and_wire(rank: int, world_size: int, stage: int, dtype_name: str, backend: str) -> None:
+    case = f"rank {rank}/{world_size} stage {stage} {dtype_name} {backend}"
+    model = make_mlp()
+    psi = sum(p.numel() for p in model.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, *_ = zero.initialize(model=model, config=config(stage, dtype_name), comm_backend=backend)
+    for step in range(2):
+        train_step(engine, rank, step)
+    report = engine.memory_report()
+    padding = len(engine.parts.group.units) * world_size  # elements added to split units evenly
+    expected = PAPER[stage](world_size) * psi
+    assert abs(report.model_state_nbytes - expected) <= 16 * padding, f"{case}: {report} vs paper {expected:.0f} B"
+    if stage >= 2:
+        assert report.comm_buffer_nbytes > 0, f"{case}: transient buckets are reported apart: {report}"
+    sent_elements = engine.wire_report() / 2  # fp16 / bf16 elements
+    expected_wire = WIRE[stage] * psi * (world_size - 1) / world_size
+    assert abs(sent_elements - expected_wire) <= 3 * padding + 16, f"{case}: sent {sent_elements} vs {expected_wire}"
+
+
+def check_forced_overflow(rank: int, world_size: int, stage: int) -> list[float]:
+    """`x` steps get an inf in one gradient element on the last rank only."""
+    pattern, expected = "xx...x.x", [16, 8, 8, 8, 16, 16, 16, 8]
+    model = make_mlp()
+    inject = {"on": False}
+    model[0].weight.register_hook(
+        lambda g: g.index_put((torch.tensor([3]), torch.tensor([5])), torch.tensor(float("inf"), dtype=g.dtype))
+        if inject["on"] and rank == world_size - 1 else g)
+    cfg = config(stage, "fp16", initial_scale_power=4, loss_scale_window=3, hysteresis=2, min_loss_scale=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, *_ = zero.initialize(model=model, config=cfg)
+    scales = []
+    for step, flag in enumerate(pattern):
+        before = engine.full_params_fp32()
+        inject["on"] = flag == "x"
+        train_step(engine, rank, step)
+        after = engine.full_params_fp32()
+        changed = any(not torch.equal(a, b) for a, b in zip(before, after))
+        assert changed == (flag == "."), f"rank {rank} stage {stage} step {step}: {flag=} but {changed=}"
+        scales.append(engine.loss_scale)
+    assert scales == expected, f"rank {rank} stage {stage}: scales {scales} != {expected}"
+    assert engine.skipped_steps == pattern.count("x") and engine.global_steps == len(pattern)
+    return scales
+
+
+def accounting_worker(rank: int, world_size: int) -> list[list[float]]:
+    for stage in (0, 1, 2, 3):
+        for dtype_name in ("fp16", "bf16"):
+            check_memory_and_wire(rank, world_size, stage, dtype_name, "ringcomm")
+        check_memory_and_wire(rank, world_size, stage, "bf16", "torch")
+    return [check_forced_overflow(rank, world_size, stage) for stage in (0, 1, 2, 3)]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_memory_wire_and_loss_scale(world_size: int) -> None:
+    results = run_ranks(accounting_worker, world_size, timeout=180)
+    assert all(r == results[0] for r in results), f"ranks disagree on the loss scale: {results}"
