@@ -30,12 +30,20 @@ def _check_pair(op: str, output: torch.Tensor, input: torch.Tensor, group: Group
 
 
 def all_reduce(tensor: torch.Tensor, op: object = ReduceOp.SUM, group: Group | None = None,
-               async_op: bool = False) -> Work | None:
-    """In place: `tensor` becomes the reduction of `tensor` over all ranks."""
+               async_op: bool = False, *, output: torch.Tensor | None = None) -> Work | None:
+    """`tensor` (or `output`, when given, leaving `tensor` unchanged) becomes the
+    reduction of `tensor` over all ranks."""
     group = group or default_group()
     redop = to_reduce_op(op, where=f"all_reduce on rank {group.rank}")
     flat = _check("all_reduce", "tensor", tensor, group)
-    return group.run("all_reduce", lambda: group.transport.all_reduce(flat, flat, redop), async_op)
+    out = flat
+    if output is not None:
+        out = _check("all_reduce", "output", output, group)
+        _check_pair("all_reduce", output, tensor, group)
+        if out.numel() != flat.numel():
+            raise ValueError(f"all_reduce: output.numel()={out.numel()} != tensor.numel()={flat.numel()} "
+                             f"on rank {group.rank}")
+    return group.run("all_reduce", lambda: group.transport.all_reduce(flat, out, redop), async_op)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: object = ReduceOp.SUM, group: Group | None = None,
