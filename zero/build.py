@@ -37,6 +37,8 @@ ARGUMENTS = {  # config key <- attribute of `args` (DeepSpeed/HF launcher argume
     "gradient_accumulation_steps": ("gradient_accumulation_steps",),
     "train_batch_size": ("train_batch_size",),
     "gradient_clipping": ("gradient_clipping", "max_grad_norm"),
+    "fp16": ("fp16",),
+    "bf16": ("bf16",),
 }
 
 

@@ -147,8 +147,10 @@ def resolve_batch(raw: dict, world_size: int, arguments: dict | None = None) -> 
 
 def _dtype(raw: dict, facts: ModelFacts) -> str:
     fp16, bf16 = raw.get("fp16", {}), raw.get("bf16", {})
-    fp16_on = _bool(_get(fp16, "enabled", False, facts.param_dtype == "float16"), "fp16.enabled")
-    bf16_on = _bool(_get(bf16, "enabled", False, facts.param_dtype == "bfloat16"), "bf16.enabled")
+    auto_fp16 = bool(facts.arguments.get("fp16", facts.param_dtype == "float16"))
+    auto_bf16 = bool(facts.arguments.get("bf16", facts.param_dtype == "bfloat16"))
+    fp16_on = _bool(_get(fp16, "enabled", False, auto_fp16), "fp16.enabled")
+    bf16_on = _bool(_get(bf16, "enabled", False, auto_bf16), "bf16.enabled")
     if fp16_on and bf16_on:
         raise ValueError("zero config: fp16.enabled and bf16.enabled are both true")
     return "float16" if fp16_on else "bfloat16" if bf16_on else "float32"
