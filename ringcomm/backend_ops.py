@@ -1,0 +1,131 @@
+"""The bodies of the collectives the "ringcomm" backend accelerates: each builder
+checks nothing and returns a closure over flat views that runs the call on a
+transport (the process group has already checked the tensors)."""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
+
+from .ops import ReduceOp
+from .transport.base import Transport
+
+Body = Callable[[], None]
+
+
+def all_reduce(transport: Transport, tensors: Sequence[torch.Tensor], op: ReduceOp) -> Body:
+    flats = [t.view(-1) for t in tensors]
+
+    def body() -> None:
+        for flat in flats:
+            transport.all_reduce(flat, flat, op)
+
+    return body
+
+
+def broadcast(transport: Transport, tensors: Sequence[torch.Tensor], root: int) -> Body:
+    flats = [t.view(-1) for t in tensors]
+
+    def body() -> None:
+        for flat in flats:
+            transport.broadcast(flat, root)
+
+    return body
+
+
+def all_gather(transport: Transport, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> Body:
+    pairs = [(i.view(-1), o.view(-1)) for o, i in zip(outputs, inputs)]
+
+    def body() -> None:
+        for input, output in pairs:
+            transport.all_gather(input, output)
+
+    return body
+
+
+def reduce_scatter(transport: Transport, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
+                   op: ReduceOp) -> Body:
+    pairs = [(i.view(-1), o.view(-1)) for o, i in zip(outputs, inputs)]
+
+    def body() -> None:
+        for input, output in pairs:
+            transport.reduce_scatter(input, output, op)
+
+    return body
+
+
+def all_gather_list(transport: Transport, outputs: Sequence[torch.Tensor], input: torch.Tensor) -> Body:
+    """torch's all_gather (a list of outputs): gather into one flat buffer, then
+    copy chunk r into outputs[r]."""
+    numel = input.numel()
+
+    def body() -> None:
+        gathered = torch.empty(len(outputs) * numel, dtype=input.dtype)
+        transport.all_gather(input.view(-1), gathered)
+        for rank, output in enumerate(outputs):
+            output.view(-1).copy_(gathered[rank * numel:(rank + 1) * numel])
+
+    return body
+
+
+def reduce_scatter_list(transport: Transport, output: torch.Tensor, inputs: Sequence[torch.Tensor],
+                        op: ReduceOp) -> Body:
+    """torch's reduce_scatter (a list of inputs): concatenate, then reduce-scatter."""
+
+    def body() -> None:
+        transport.reduce_scatter(torch.cat([t.view(-1) for t in inputs]), output.view(-1), op)
+
+    return body
+
+
+# ---- checks of the caller's arguments ----
+def equal_numels(tensors: Sequence[torch.Tensor]) -> bool:
+    return len({t.numel() for t in tensors}) <= 1
+
+
+def check_root(op: str, root: int, rank: int, world_size: int) -> None:
+    if not 0 <= root < world_size:
+        raise ValueError(f"{op}: root rank {root} outside the group (world_size {world_size}) on rank {rank}")
+
+
+def check_list(op: str, tensors: Sequence[torch.Tensor], rank: int, world_size: int) -> None:
+    if len(tensors) != world_size:
+        raise ValueError(f"{op}: the tensor list has {len(tensors)} entries != world_size ({world_size}) on rank {rank}")
+
+
+def check_pairs(op: str, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], rank: int, world_size: int,
+                *, gather: bool) -> None:
+    """all_gather_single: output = world_size inputs; reduce_scatter_single: input = world_size outputs."""
+    for index, (output, input) in enumerate(zip(outputs, inputs)):
+        big, small = (output, input) if gather else (input, output)
+        if big.numel() != world_size * small.numel():
+            raise ValueError(f"{op}: pair {index}: output.numel()={output.numel()}, input.numel()={input.numel()}; "
+                             f"expected the {'output' if gather else 'input'} to be world_size ({world_size}) times "
+                             f"the other, on rank {rank}")
+
+
+# ---- forwarding the tensor forms to a gloo or NCCL backend ----
+def forward_all_gather_single(backend: dist.ProcessGroup, outputs: Sequence[torch.Tensor],
+                              inputs: Sequence[torch.Tensor], opts: object) -> dist.Work:
+    works = [backend._allgather_base(o, i, opts) for o, i in zip(outputs, inputs)]
+    return _join(works, list(outputs))
+
+
+def forward_reduce_scatter_single(backend: dist.ProcessGroup, outputs: Sequence[torch.Tensor],
+                                  inputs: Sequence[torch.Tensor], opts: object) -> dist.Work:
+    works = [backend._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)]
+    return _join(works, list(outputs))
+
+
+def _join(works: list[dist.Work], value: list[torch.Tensor]) -> dist.Work:
+    if len(works) == 1:
+        return works[0]
+
+    def values(done: torch.futures.Future) -> list[torch.Tensor]:
+        for future in done.value():
+            future.value()  # re-raises a failed call's error
+        return value
+
+    return _create_work_from_future(torch.futures.collect_all([w.get_future() for w in works]).then(values))

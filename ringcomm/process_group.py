@@ -1,0 +1,246 @@
+"""The torch.distributed backend "ringcomm": a Python dist.ProcessGroup that runs
+the collectives ringcomm accelerates on its transports and forwards every other
+call to an internal gloo (CPU) or NCCL (CUDA) backend."""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from . import backend_ops
+from .backend_work import (accelerated_redop, accelerates, is_async, on_cuda, torch_work, use_comm_thread,
+                           wait_forwarded)
+from .group import GroupOptions, create_group
+
+BACKEND_NAME = "ringcomm"
+STORE_PREFIX = "ringcomm-backend/"
+
+# [Note: what runs where]
+# Accelerated (CPU tensors of a ringcomm dtype, contiguous, a ringcomm op):
+#   allreduce(+_coalesced), broadcast, allgather, all_gather_single(+_coalesced),
+#   reduce_scatter, reduce_scatter_single(+_coalesced), barrier -> ringcomm transport.
+# Forwarded collectives (gather, scatter, reduce, all_to_all, allgather_coalesced,
+# and accelerated ones whose tensors ringcomm does not take) -> internal gloo, but
+# queued on the ringcomm group's comm thread, so that every collective of this
+# group completes in launch order.
+# Point-to-point (send, recv, recv_anysource, batch_isend_irecv) -> gloo directly,
+# through the backend registered for "cpu" (never queued: a recv waiting on the
+# comm thread would stall the send its peer posts after it).
+# CUDA tensors -> internal NCCL backend, as they are (its own streams keep order).
+
+# [Note: async calls]
+# An async call (async_op=True, and every call from DDP's reducer) runs on the
+# group's comm thread only when each local rank has a spare core for it
+# (RINGCOMM_ASYNC=auto: cpu_count >= 2 * local ranks). Otherwise it runs inline and
+# returns a finished Work: with ranks >= cores, a comm thread that spins on shm
+# flags takes the core its own rank computes on (measured here, 2 ranks on 2
+# vCPUs: DDP steps 1.6x slower than inline), and the hand-off costs ~0.6 ms per
+# call. RINGCOMM_ASYNC=thread|inline forces one. Inline, a rank must issue the
+# async calls of different groups in the same order as its peers.
+
+
+class ProcessGroupRingcomm(dist.ProcessGroup):
+    """One group of torch.distributed on ringcomm's collectives."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> None:
+        super().__init__(rank, world_size)  # the (store, rank, size) form is not subclassable in 2.13
+        self._rank, self._world_size = rank, world_size
+        self._timeout_s = timeout.total_seconds()
+        self._group_name, self._group_desc = "", ""
+        store = dist.PrefixStore(STORE_PREFIX, store)
+        self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world_size, timeout)
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)
+        self._nccl = _nccl_backend(dist.PrefixStore("nccl/", store), rank, world_size, timeout)
+        if self._nccl is not None:
+            self._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, self._nccl)
+        # No pg: a torch_dist transport gets its own gloo group, so that its ring's
+        # tags never meet the user's send/recv tags on self._gloo.
+        self._group = create_group(dist.PrefixStore("group/", store), rank, world_size,
+                                   options=GroupOptions(timeout_s=self._timeout_s))
+        self._comm_thread = use_comm_thread(self._group.transport.kind, world_size)
+
+    # ---- names (FSDP2's DeviceMesh resolves groups by name) ----
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
+
+    # ---- accelerated collectives ----
+    def allreduce(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
+        opts = opts or dist.AllreduceOptions()
+        redop = accelerated_redop(opts)
+        if redop is None or not self._accelerates(tensors):
+            return self._forward("allreduce", tensors, lambda b: b.allreduce(tensors, opts), opts)
+        return self._run("allreduce", backend_ops.all_reduce(self._transport, tensors, redop), opts, tensors)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
+        opts = opts or dist.AllreduceCoalescedOptions()
+        redop = accelerated_redop(opts)
+        if redop is None or not self._accelerates(tensors):
+            return self._forward("allreduce_coalesced", tensors, lambda b: b.allreduce_coalesced(tensors, opts), opts)
+        return self._run("allreduce_coalesced", backend_ops.all_reduce(self._transport, tensors, redop), opts, tensors)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
+        opts = opts or dist.BroadcastOptions()
+        if not self._accelerates(tensors):
+            return self._forward("broadcast", tensors, lambda b: b.broadcast(tensors, opts), opts)
+        backend_ops.check_root("broadcast", opts.rootRank, self._rank, self._world_size)
+        return self._run("broadcast", backend_ops.broadcast(self._transport, tensors, opts.rootRank), opts, tensors)
+
+    def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None) -> dist.Work:
+        opts = opts or dist.AllgatherOptions()
+        flat = [t for outputs in output_lists for t in outputs] + list(inputs)
+        if len(inputs) != 1 or not self._accelerates(flat) or not backend_ops.equal_numels(flat):
+            return self._forward("allgather", flat, lambda b: b.allgather(output_lists, inputs, opts), opts)
+        backend_ops.check_list("allgather", output_lists[0], self._rank, self._world_size)
+        fn = backend_ops.all_gather_list(self._transport, output_lists[0], inputs[0])
+        return self._run("allgather", fn, opts, output_lists[0])
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> dist.Work:
+        return self.all_gather_single_coalesced([output], [input], opts)
+
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                    opts=None) -> dist.Work:
+        opts = opts or dist.AllgatherOptions()
+        if not self._accelerates_pairs(outputs, inputs):
+            return self._forward("all_gather_single", outputs + inputs,
+                                 lambda b: backend_ops.forward_all_gather_single(b, outputs, inputs, opts), opts)
+        backend_ops.check_pairs("all_gather_single", outputs, inputs, self._rank, self._world_size, gather=True)
+        return self._run("all_gather_single", backend_ops.all_gather(self._transport, outputs, inputs), opts, outputs)
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
+                       opts=None) -> dist.Work:
+        opts = opts or dist.ReduceScatterOptions()
+        redop = accelerated_redop(opts)
+        flat = list(outputs) + [t for inputs in input_lists for t in inputs]
+        if len(outputs) != 1 or redop is None or not self._accelerates(flat) or not backend_ops.equal_numels(flat):
+            return self._forward("reduce_scatter", flat, lambda b: b.reduce_scatter(outputs, input_lists, opts), opts)
+        backend_ops.check_list("reduce_scatter", input_lists[0], self._rank, self._world_size)
+        fn = backend_ops.reduce_scatter_list(self._transport, outputs[0], input_lists[0], redop)
+        return self._run("reduce_scatter", fn, opts, outputs)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> dist.Work:
+        return self.reduce_scatter_single_coalesced([output], [input], opts)
+
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts=None) -> dist.Work:
+        opts = opts or dist.ReduceScatterOptions()
+        redop = accelerated_redop(opts)
+        if redop is None or not self._accelerates_pairs(outputs, inputs):
+            return self._forward("reduce_scatter_single", outputs + inputs,
+                                 lambda b: backend_ops.forward_reduce_scatter_single(b, outputs, inputs, opts), opts)
+        backend_ops.check_pairs("reduce_scatter_single", outputs, inputs, self._rank, self._world_size, gather=False)
+        fn = backend_ops.reduce_scatter(self._transport, outputs, inputs, redop)
+        return self._run("reduce_scatter_single", fn, opts, outputs)
+
+    # torch <= 2.12 names of the same calls
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+    _allgather_base = all_gather_single
+    _reduce_scatter_base = reduce_scatter_single
+
+    def barrier(self, opts=None) -> dist.Work:
+        opts = opts or dist.BarrierOptions()
+        return self._run("barrier", self._transport.barrier, opts, [])
+
+    # ---- forwarded collectives (queued in order; see [Note: what runs where]) ----
+    def gather(self, output_lists, inputs, opts=None) -> dist.Work:
+        tensors = [t for outputs in output_lists for t in outputs] + list(inputs)
+        return self._forward("gather", tensors, lambda b: b.gather(output_lists, inputs, opts), opts)
+
+    def scatter(self, outputs, input_lists, opts=None) -> dist.Work:
+        tensors = list(outputs) + [t for inputs in input_lists for t in inputs]
+        return self._forward("scatter", tensors, lambda b: b.scatter(outputs, input_lists, opts), opts)
+
+    def reduce(self, tensors, opts=None) -> dist.Work:
+        return self._forward("reduce", tensors, lambda b: b.reduce(tensors, opts), opts)
+
+    def alltoall(self, outputs, inputs, opts=None) -> dist.Work:
+        return self._forward("alltoall", list(outputs) + list(inputs), lambda b: b.alltoall(outputs, inputs, opts), opts)
+
+    def all_to_all_single(self, output, input, output_splits, input_splits, opts=None) -> dist.Work:
+        return self._forward("all_to_all_single", [output, input],
+                             lambda b: b.alltoall_base(output, input, output_splits, input_splits, opts), opts)
+
+    alltoall_base = all_to_all_single
+
+    def allgather_coalesced(self, output_lists, inputs, opts=None) -> dist.Work:
+        tensors = [t for outputs in output_lists for t in outputs] + list(inputs)
+        return self._forward("allgather_coalesced", tensors,
+                             lambda b: b.allgather_coalesced(output_lists, inputs, opts), opts)
+
+    # ---- lifetime ----
+    def shutdown(self) -> None:
+        self._group.close()
+        for backend in (self._gloo, self._nccl):
+            if backend is not None and hasattr(backend, "shutdown"):
+                backend.shutdown()
+
+    def abort(self) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        return f"ProcessGroupRingcomm(rank={self._rank}, world_size={self._world_size}, {self._group!r})"
+
+    # ---- helpers ----
+    @property
+    def _transport(self):
+        return self._group.transport
+
+    def _accelerates(self, tensors: Sequence[torch.Tensor]) -> bool:
+        return accelerates(tensors, self._transport.supports)
+
+    def _accelerates_pairs(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> bool:
+        return (len(outputs) == len(inputs) and self._accelerates(outputs + inputs)
+                and all(o.dtype == i.dtype for o, i in zip(outputs, inputs)))
+
+    def _run(self, op: str, fn: Callable[[], None], opts: object, value: object) -> dist.Work:
+        """Runs `fn` inline when the caller waits (or see [Note: async calls]) and
+        nothing is queued, else on the group's comm thread, in launch order."""
+        return torch_work(self._group.run(op, fn, self._comm_thread and is_async(opts)), value)
+
+    def _forward(self, op: str, tensors: Sequence[torch.Tensor], call: Callable[[dist.ProcessGroup], dist.Work],
+                 opts: object, value: object = None) -> dist.Work:
+        """Runs `call` on the internal NCCL backend (CUDA tensors) or gloo backend."""
+        if on_cuda(tensors):
+            if self._nccl is None:
+                raise RuntimeError(f"{op}: rank {self._rank} got CUDA tensors but NCCL is not available here")
+            return call(self._nccl)
+
+        def body() -> None:
+            wait_forwarded(call(self._gloo), op, self._rank, self._timeout_s)
+
+        return self._run(op, body, opts, list(tensors) if value is None else value)
+
+
+def _nccl_backend(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> dist.ProcessGroup | None:
+    """The internal NCCL backend for CUDA tensors, where CUDA and NCCL exist.
+    ProcessGroupNCCL makes its communicators lazily, on the first CUDA call."""
+    if not (torch.cuda.is_available() and dist.is_nccl_available()):
+        return None
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, world_size, options)
+
+
+def create_backend(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> ProcessGroupRingcomm:
+    """The creator torch.distributed calls for backend "ringcomm"."""
+    return ProcessGroupRingcomm(store, rank, world_size, timeout)
+
+
+def register_backend() -> None:
+    """Registers "ringcomm" with torch.distributed (idempotent); import ringcomm does it."""
+    if dist.is_available() and BACKEND_NAME.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND_NAME, create_backend, devices=["cpu", "cuda"])

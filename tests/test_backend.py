@@ -1,0 +1,307 @@
+"""The torch.distributed backend "ringcomm": every call equals gloo's on the same
+random data, forwarded calls work, async Works complete in order, and every
+init method (file://, env://, tcp://, torchrun single and multi-node) works."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from harness import run_ranks
+
+import ringcomm  # noqa: F401  (registers the backend)
+from ringcomm.process_group import ProcessGroupRingcomm
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+OPS = ("sum", "avg", "max", "min")
+NUMELS = (0, 1, 7, 1031)  # empty, one element, a prime, more than one shm one-shot message per rank
+
+# Tolerances against gloo. ringcomm and gloo add the ranks' values in different
+# orders, and in bf16/fp16 gloo rounds after every addition while ringcomm
+# accumulates in fp32 and rounds once: up to world_size - 1 roundings apart
+# (eps 2**-8 for bf16, 2**-11 for fp16) on sums of up to 4 N(0, 1) values.
+TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (3e-2, 5e-2), torch.float16: (4e-3, 8e-3)}
+
+
+def reinit(rank: int, world_size: int, init_method: str, backend: str = "ringcomm") -> None:
+    """Swaps the harness's gloo default group for `backend` at `init_method`."""
+    dist.destroy_process_group()
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=60))
+
+
+def rand(seed: int, rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    return torch.randn(numel, generator=gen).to(dtype)
+
+
+def chunks(tensor: torch.Tensor, world_size: int) -> list[torch.Tensor]:
+    """world_size equal views (torch.chunk gives fewer for an empty tensor)."""
+    numel = tensor.numel() // world_size
+    return [tensor[r * numel:(r + 1) * numel] for r in range(world_size)]
+
+
+def expect_close(got: torch.Tensor, want: torch.Tensor, case: str, rank: int, op: str = "sum") -> None:
+    rtol, atol = (0.0, 0.0) if op in ("max", "min") else TOLERANCE[got.dtype]  # max/min pick, never round
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m: f"rank {rank}, {case}: {m}")
+
+
+def gloo_reference(call: str, gloo: dist.ProcessGroup, op: str, world_size: int, *tensors: torch.Tensor) -> None:
+    """Runs `call` on gloo; gloo has no AVG, so avg is sum / world_size."""
+    redop = getattr(dist.ReduceOp, "SUM" if op == "avg" else op.upper())
+    if call == "all_reduce":
+        dist.all_reduce(tensors[0], redop, group=gloo)
+    elif call == "reduce_scatter":
+        dist.reduce_scatter_tensor(tensors[0], tensors[1], redop, group=gloo)
+    if op == "avg":
+        tensors[0].div_(world_size)
+
+
+# ---- reduce calls (all_reduce, reduce_scatter in four spellings) vs gloo ----
+def reductions_worker(rank: int, world_size: int, init_method: str) -> int:
+    reinit(rank, world_size, init_method)
+    gloo = dist.new_group(backend="gloo")
+    checked = 0
+    for seed, (dtype, op, numel) in enumerate((d, o, n) for d in DTYPES for o in OPS for n in NUMELS):
+        case = f"{dtype} {op} numel={numel}"
+        redop = getattr(dist.ReduceOp, op.upper())
+        want = rand(seed, rank, numel, dtype)
+        gloo_reference("all_reduce", gloo, op, world_size, want)
+        for async_op in (False, True):
+            got = rand(seed, rank, numel, dtype)
+            work = dist.all_reduce(got, redop, async_op=async_op)
+            if async_op:
+                work.wait()
+            expect_close(got, want, f"all_reduce async={async_op} {case}", rank, op)
+        got = [rand(seed, rank, numel, dtype), rand(seed + 1, rank, numel, dtype)]
+        dist.all_reduce_coalesced(got, redop)
+        expect_close(got[0], want, f"all_reduce_coalesced {case}", rank, op)
+        checked += 3 + reduce_scatter_cases(rank, world_size, gloo, seed, dtype, op, numel)
+    return checked
+
+
+def reduce_scatter_cases(rank: int, world_size: int, gloo, seed: int, dtype: torch.dtype, op: str, numel: int) -> int:
+    redop = getattr(dist.ReduceOp, op.upper())
+    input = rand(seed, rank, numel * world_size, dtype)
+    want = torch.empty(numel, dtype=dtype)
+    gloo_reference("reduce_scatter", gloo, op, world_size, want, input)
+    spellings = {
+        "reduce_scatter_tensor": lambda out: dist.reduce_scatter_tensor(out, input, redop),
+        "reduce_scatter_single": lambda out: dist.reduce_scatter_single(out, input, redop),
+        "reduce_scatter (list)": lambda out: dist.reduce_scatter(out, chunks(input, world_size), redop),
+        "reduce_scatter_tensor async": lambda out: dist.reduce_scatter_tensor(out, input, redop, async_op=True).wait(),
+    }
+    for name, call in spellings.items():
+        got = torch.full((numel,), -7.0, dtype=dtype)
+        call(got)
+        expect_close(got, want, f"{name} {dtype} {op} numel={numel}", rank, op)
+    with dist._coalescing_manager(async_ops=True) as manager:  # FSDP-style coalesced reduce-scatters
+        got = [torch.empty(numel, dtype=dtype), torch.empty(numel, dtype=dtype)]
+        for out in got:
+            dist.reduce_scatter_tensor(out, input, redop)
+    manager.wait()
+    for out in got:
+        expect_close(out, want, f"coalesced reduce_scatter_tensor {dtype} {op} numel={numel}", rank, op)
+    return len(spellings) + 1
+
+
+# ---- data movement (all_gather in three spellings, broadcast, barrier): exact ----
+def movement_worker(rank: int, world_size: int, init_method: str) -> int:
+    reinit(rank, world_size, init_method)
+    gloo = dist.new_group(backend="gloo")
+    checked = 0
+    for seed, (dtype, numel) in enumerate((d, n) for d in DTYPES for n in NUMELS):
+        case = f"{dtype} numel={numel}"
+        input = rand(seed, rank, numel, dtype)
+        want = torch.empty(numel * world_size, dtype=dtype)
+        dist.all_gather_into_tensor(want, input, group=gloo)
+        spellings = {
+            "all_gather_into_tensor": lambda out: dist.all_gather_into_tensor(out, input),
+            "all_gather_single": lambda out: dist.all_gather_single(out, input),
+            "all_gather_into_tensor async": lambda out: dist.all_gather_into_tensor(out, input, async_op=True).wait(),
+            "all_gather (list)": lambda out: dist.all_gather(chunks(out, world_size), input),
+            "all_gather_into_tensor 2-D": lambda out: dist.all_gather_into_tensor(out.view(world_size, numel), input),
+        }
+        for name, call in spellings.items():
+            got = torch.full((numel * world_size,), -7.0, dtype=dtype)
+            call(got)
+            assert torch.equal(got, want), f"rank {rank}: {name} {case}: {got} != gloo's {want}"
+        with dist._coalescing_manager(async_ops=True) as manager:
+            got = [torch.empty(numel * world_size, dtype=dtype) for _ in range(2)]
+            for out in got:
+                dist.all_gather_into_tensor(out, input)
+        manager.wait()
+        assert all(torch.equal(out, want) for out in got), f"rank {rank}: coalesced all_gather {case}"
+        for src in range(world_size):
+            got = rand(seed, rank, numel, dtype)
+            dist.broadcast(got, src)
+            assert torch.equal(got, rand(seed, src, numel, dtype)), f"rank {rank}: broadcast src={src} {case}"
+        checked += len(spellings) + 1 + world_size
+    dist.barrier()
+    dist.barrier(async_op=True).wait()
+    return checked + 2
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_reductions_match_gloo(world_size: int, tmp_path) -> None:
+    env = {"RINGCOMM_ASYNC": "thread" if world_size == 3 else "inline"}  # both ways async calls can run
+    checked = run_ranks(reductions_worker, world_size, f"file://{tmp_path}/rdv", timeout=100, env=env)
+    assert checked[0] == len(DTYPES) * len(OPS) * len(NUMELS) * 8
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_movement_matches_gloo(world_size: int, tmp_path) -> None:
+    env = {"RINGCOMM_ASYNC": "thread" if world_size == 3 else "inline"}
+    checked = run_ranks(movement_worker, world_size, f"file://{tmp_path}/rdv", timeout=100, env=env)
+    assert checked[0] > 0
+
+
+# ---- forwarded calls equal gloo's; the group is a ringcomm ProcessGroup ----
+def forwarded_worker(rank: int, world_size: int, init_method: str) -> None:
+    reinit(rank, world_size, init_method)
+    world = dist.group.WORLD
+    assert isinstance(world, ProcessGroupRingcomm) and dist.get_backend() == "ringcomm", f"rank {rank}: {world!r}"
+    assert world.group_name and world.name() == "ringcomm", f"rank {rank}: {world.group_name=} {world.name()=}"
+    gloo = dist.new_group(backend="gloo")
+    ours, theirs = forwarded_calls(rank, world_size), forwarded_calls(rank, world_size, group=gloo)
+    for index, (got, want) in enumerate(zip(ours, theirs)):
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), f"rank {rank}: forwarded call {index}: {got} != {want}"
+    objects = [None] * world_size
+    dist.all_gather_object(objects, {"rank": rank})
+    assert objects == [{"rank": r} for r in range(world_size)], f"rank {rank}: all_gather_object {objects}"
+
+
+def forwarded_calls(rank: int, world_size: int, **group_kw) -> list[list[torch.Tensor]]:
+    """Calls ringcomm does not accelerate; returns what each produced here."""
+    mine = torch.arange(world_size * 3, dtype=torch.float32) + 100 * rank
+    gathered = [torch.empty(3 * world_size) for _ in range(world_size)] if rank == 0 else None
+    dist.gather(mine, gathered, dst=0, **group_kw)
+    scattered = torch.empty(3)
+    dist.scatter(scattered, list(mine.chunk(world_size)) if rank == 0 else None, src=0, **group_kw)
+    reduced = mine.clone()
+    dist.reduce(reduced, dst=world_size - 1, **group_kw)
+    swapped = torch.empty_like(mine)
+    dist.all_to_all_single(swapped, mine, **group_kw)
+    swapped_list = [torch.empty(3) for _ in range(world_size)]
+    dist.all_to_all(swapped_list, list(mine.chunk(world_size)), **group_kw)
+    odd = torch.arange(6, dtype=torch.int8).view(2, 3).t() + rank  # int8 and not contiguous: gloo does it
+    dist.all_reduce(odd, **group_kw)
+    ring_recv = torch.empty(3)
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, mine[:3].clone(), right, **group_kw),
+                                        dist.P2POp(dist.irecv, ring_recv, left, **group_kw)]):
+        work.wait()
+    if rank == 0:
+        dist.send(mine, 1, **group_kw)
+    elif rank == 1:
+        dist.recv(swapped, 0, **group_kw)
+    return [gathered or [], [scattered], [reduced], [swapped], swapped_list, [odd], [ring_recv]]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_forwarded_calls_match_gloo(world_size: int, tmp_path) -> None:
+    run_ranks(forwarded_worker, world_size, f"file://{tmp_path}/rdv", timeout=50)
+
+
+# ---- async Works complete in launch order, forwarded ones included ----
+def async_order_worker(rank: int, world_size: int, init_method: str) -> None:
+    reinit(rank, world_size, init_method)
+    big = [torch.full((1 << 18,), float(rank + i)) for i in range(6)]
+    small = torch.full((world_size * 4,), float(rank))
+    works = []
+    for i, tensor in enumerate(big):
+        works.append(dist.all_reduce(tensor, async_op=True))
+        if i == 2:
+            works.append(dist.all_to_all_single(torch.empty_like(small), small, async_op=True))  # forwarded
+    for index, work in enumerate(works):
+        work.wait()
+        late = [i for i, w in enumerate(works[:index]) if not w.is_completed()]
+        assert not late, f"rank {rank}: work {index} finished before works {late}"
+        total = sum(range(world_size))
+    for i, tensor in enumerate(big):
+        want = float(total + world_size * i)
+        assert torch.all(tensor == want), f"rank {rank}: async all_reduce {i}: {tensor[:2]} != {want}"
+    future = dist.all_reduce(torch.ones(3), async_op=True).get_future()
+    assert torch.equal(future.wait()[0], torch.full((3,), float(world_size))), f"rank {rank}: future {future.value()}"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["thread", "inline"])
+def test_async_works_complete_in_order(mode: str, tmp_path) -> None:
+    run_ranks(async_order_worker, 2, f"file://{tmp_path}/rdv", timeout=50, env={"RINGCOMM_ASYNC": mode})
+
+
+# ---- init methods and launchers ----
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_method_worker(rank: int, world_size: int, init_method: str) -> None:
+    if init_method.startswith("env://"):
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=init_method.rsplit(":", 1)[1], RANK=str(rank),
+                          WORLD_SIZE=str(world_size))
+        init_method = "env://"
+    reinit(rank, world_size, init_method)
+    tensor = torch.full((5,), float(rank + 1))
+    dist.all_reduce(tensor)
+    want = world_size * (world_size + 1) / 2
+    assert torch.all(tensor == want), f"rank {rank}: {init_method}: all_reduce {tensor} != {want}"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("scheme", ["env", "tcp"])
+def test_init_methods(scheme: str) -> None:
+    port = free_port()
+    init_method = f"env://127.0.0.1:{port}" if scheme == "env" else f"tcp://127.0.0.1:{port}"
+    run_ranks(init_method_worker, 2, init_method, timeout=50)
+
+
+TORCHRUN_SCRIPT = """
+import torch, torch.distributed as dist, ringcomm
+dist.init_process_group("ringcomm")
+rank, world_size = dist.get_rank(), dist.get_world_size()
+t = torch.full((4,), float(rank + 1)); dist.all_reduce(t)
+out = torch.empty(world_size * 2); dist.all_gather_into_tensor(out, torch.full((2,), float(rank)))
+assert torch.all(t == world_size * (world_size + 1) / 2) and out.tolist() == [float(r) for r in range(world_size) for _ in (0, 1)]
+print(f"OK rank {rank} transport {dist.group.WORLD._group.transport.kind}")
+dist.destroy_process_group()
+"""
+
+
+def run_torchrun(script: str, *launches: list[str], env: dict[str, str]) -> list[str]:
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args, script], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for args in launches]
+    outputs = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=90)
+        assert proc.returncode == 0, f"torchrun {proc.args} failed:\n{out}"
+        outputs.append(out)
+    return outputs
+
+
+@pytest.mark.timeout(120)
+def test_torchrun_single_and_multi_node() -> None:
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": repo, "OMP_NUM_THREADS": "1"}
+    with tempfile.TemporaryDirectory() as tmp:
+        script = os.path.join(tmp, "train.py")
+        with open(script, "w") as file:
+            file.write(TORCHRUN_SCRIPT)
+        single = run_torchrun(script, ["--standalone", "--nproc-per-node", "2"], env=env)
+        assert single[0].count("OK rank") == 2 and "transport shm" in single[0], single[0]
+        endpoint = f"127.0.0.1:{free_port()}"  # two "nodes" on this host; force the cross-host transport
+        nodes = [["--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(n), "--rdzv-backend", "c10d",
+                  "--rdzv-endpoint", endpoint, "--rdzv-id", "ringcomm-test"] for n in range(2)]
+        multi = run_torchrun(script, *nodes, env={**env, "RINGCOMM_TRANSPORT": "torch_dist"})
+        assert all("OK rank" in out and "transport torch_dist" in out for out in multi), multi
