@@ -86,3 +86,20 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: Group | None = None, as
 def barrier(group: Group | None = None, async_op: bool = False) -> Work | None:
     group = group or default_group()
     return group.run("barrier", group.transport.barrier, async_op)
+
+
+def empty(*shape: int, dtype: torch.dtype = torch.float32, group: Group | None = None) -> torch.Tensor:
+    """Collective (every rank of the group calls it with its own shape): an
+    uninitialized CPU tensor in memory the group's ranks share, so collectives
+    on it, or on views of it, read peers' data in place instead of staging it.
+    On a torch_dist group this is plain torch.empty."""
+    group = group or default_group()
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
+        shape = tuple(shape[0])
+    dtype_code(dtype, where=f"empty on rank {group.rank}")
+    numel = 1
+    for extent in shape:
+        if extent < 0:
+            raise ValueError(f"empty: negative extent in shape {shape} on rank {group.rank}")
+        numel *= extent
+    return group.allocate(numel, dtype).view(shape)

@@ -61,6 +61,16 @@ class Group:
             return None
         return work
 
+    def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Collective: a 1-D tensor that this group's collectives can use without
+        staging copies (shared memory on the shm transport; plain memory elsewhere)."""
+        allocate = getattr(self.transport, "allocate", None)
+        if allocate is None:
+            return torch.empty(numel, dtype=dtype)
+        result: list[torch.Tensor] = []
+        self.run("allocate", lambda: result.append(allocate(numel, dtype)), async_op=False)
+        return result[0]
+
     def close(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=True)

@@ -174,3 +174,51 @@ def test_async_works_complete_in_order(transport):
 @pytest.mark.parametrize("world_size", [3, 4])
 def test_bf16_all_reduce_rounds_once(world_size, transport):
     run_ranks(check_bf16_rounds_once, world_size, transport)
+
+
+def check_shm_windows(rank, world_size):
+    """Tensors from ringcomm.empty take the zero-copy paths; same results as gloo."""
+    group = ringcomm.new_group(transport="shm", timeout=30)
+    case = 0
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        for op in (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MAX):
+            for numel in (1, 13, 40000):  # 40000: above the one-shot size, so the windowed all-reduce runs
+                case += 1
+                what = f"rank {rank} windows {dtype} {op.name} numel={numel}"
+                data = random_data(numel * world_size, dtype, op, rank, case)
+                expected = gloo_reduce(data, op, world_size)
+                shared = ringcomm.empty(numel * world_size, dtype=dtype, group=group)
+                shared.copy_(data)
+                ringcomm.all_reduce(shared, op, group=group)
+                assert_close(shared, expected, "all_reduce " + what)
+                shared.copy_(data)
+                out = ringcomm.empty(numel * world_size, dtype=dtype, group=group)
+                ringcomm.all_reduce(shared, op, group=group, output=out)
+                assert_close(out, expected, "all_reduce out of place " + what)
+                assert torch.equal(shared, data), "all_reduce output= changed its input " + what
+                own = slice(rank * numel, (rank + 1) * numel)
+                chunk = torch.empty(numel, dtype=dtype)
+                ringcomm.reduce_scatter(chunk, shared, op, group=group)
+                assert_close(chunk, expected[own], "reduce_scatter " + what)
+                ringcomm.reduce_scatter(shared[own], shared, op, group=group)
+                assert_close(shared[own], expected[own], "reduce_scatter in place " + what)
+                gathered = ringcomm.empty(numel * world_size, dtype=dtype, group=group)
+                gathered[own] = data[own]
+                ringcomm.all_gather(gathered, gathered[own], group=group)
+                reference = torch.empty_like(gathered)
+                dist.all_gather_into_tensor(reference, data[own].contiguous())
+                assert torch.equal(gathered, reference), "all_gather in place " + what
+                ringcomm.broadcast(gathered, src=world_size - 1, group=group)
+                dist.broadcast(reference, src=world_size - 1)
+                assert torch.equal(gathered, reference), "broadcast " + what
+                del shared, out, gathered  # windows are released and forgotten; new ones reuse the addresses
+    if world_size > 1:  # all ranks or none must pass shared tensors
+        shared = ringcomm.empty(100, group=group)  # collective: every rank allocates
+        mixed = shared if rank == 0 else torch.ones(100)
+        with pytest.raises(ValueError, match="ringcomm.empty"):
+            ringcomm.all_reduce(mixed, group=group)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_shm_windows_match_gloo(world_size):
+    run_ranks(check_shm_windows, world_size)

@@ -8,10 +8,12 @@
 
 #include "reduce.h"
 #include "shm.h"
+#include "shm_map.h"
 
 namespace py = pybind11;
 using ringcomm::ShmComm;
 using ringcomm::ShmConfig;
+using ringcomm::ShmWindow;
 
 namespace {
 
@@ -63,7 +65,18 @@ PYBIND11_MODULE(_C, m) {
       .def("broadcast", &ShmComm::broadcast, py::arg("buffer"), py::arg("numel"), py::arg("dtype"), py::arg("root"),
            py::arg("timeout_s"), no_gil)
       .def("barrier", &ShmComm::barrier, py::arg("timeout_s"), no_gil)
+      .def("register_window", &ShmComm::register_window, py::arg("id"), py::arg("bases"), py::arg("nbytes"))
+      .def("unregister_window", &ShmComm::unregister_window, py::arg("id"))
       .def_property_readonly("rank", &ShmComm::rank)
       .def_property_readonly("world_size", &ShmComm::world_size)
       .def_property_readonly("rounds", &ShmComm::rounds);
+
+  py::class_<ShmWindow>(m, "ShmWindow", py::buffer_protocol())
+      .def(py::init<const std::string&, int64_t, bool>(), py::arg("name"), py::arg("nbytes"), py::arg("create"))
+      .def_static("unlink", &ringcomm::unlink_segment, py::arg("name"))
+      .def_property_readonly("address", [](const ShmWindow& w) { return reinterpret_cast<uintptr_t>(w.data()); })
+      .def_property_readonly("nbytes", &ShmWindow::nbytes)
+      .def_buffer([](ShmWindow& w) {
+        return py::buffer_info(w.data(), 1, py::format_descriptor<uint8_t>::format(), 1, {w.nbytes()}, {1});
+      });
 }

@@ -10,12 +10,11 @@
 // or size is reported on every rank, and all ranks stay in step afterwards.
 #include "shm.h"
 
+#include "shm_map.h"
+
 #include <errno.h>
-#include <fcntl.h>
 #include <signal.h>
 #include <sched.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -43,10 +42,6 @@ int64_t headers_nbytes(int world_size) {
 }
 
 int64_t slot_stride(const ShmConfig& config) { return round_up(static_cast<int64_t>(sizeof(OpDesc)) + config.slot_nbytes, 64); }
-
-std::string errno_text(const std::string& what, const std::string& name) {
-  return what + " '" + name + "': " + std::strerror(errno);
-}
 
 // A process that exited is gone (ESRCH) or a zombie its parent has not reaped.
 bool process_alive(int64_t pid) {
@@ -84,30 +79,7 @@ ShmComm::ShmComm(const std::string& name, int rank, int world_size, ShmConfig co
     throw std::invalid_argument("shm: slot_nbytes=" + std::to_string(config.slot_nbytes) +
                                 " must be a multiple of 64 and at least 64 * world_size (" + std::to_string(64 * world_size) + ")");
   const int64_t total = segment_nbytes(world_size, config);
-  const int fd = create ? shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600) : shm_open(name.c_str(), O_RDWR, 0600);
-  if (fd < 0) throw std::runtime_error(errno_text(create ? "shm: cannot create segment" : "shm: cannot open segment", name));
-  if (create) {
-    // Reserve the pages now: a full /dev/shm must fail here, not as SIGBUS later.
-    int err = ftruncate(fd, total) != 0 ? errno : posix_fallocate(fd, 0, total);
-    if (err != 0) {
-      close(fd);
-      shm_unlink(name.c_str());
-      throw std::runtime_error("shm: cannot reserve " + std::to_string(total) + " bytes for segment '" + name +
-                               "' in /dev/shm (" + std::strerror(err) +
-                               "); free space there, use smaller slots, or set RINGCOMM_TRANSPORT=torch_dist");
-    }
-  } else {
-    struct stat st;
-    if (fstat(fd, &st) != 0 || st.st_size != total) {
-      close(fd);
-      throw std::runtime_error("shm: segment '" + name + "' has " + std::to_string(st.st_size) + " bytes, expected " +
-                               std::to_string(total) + " (ranks disagree on the group config)");
-    }
-  }
-  void* base = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  close(fd);
-  if (base == MAP_FAILED) throw std::runtime_error(errno_text("shm: cannot map segment", name));
-  base_ = static_cast<char*>(base);
+  base_ = map_segment(name, total, create);
   mapped_nbytes_ = total;
   auto* segment = reinterpret_cast<SegmentHeader*>(base_);
   if (create) {
@@ -118,18 +90,16 @@ ShmComm::ShmComm(const std::string& name, int rank, int world_size, ShmConfig co
     segment->magic = kMagic;
   } else if (segment->magic != kMagic || segment->world_size != world_size || segment->num_slots != config.num_slots ||
              segment->slot_nbytes != config.slot_nbytes) {
-    munmap(base_, mapped_nbytes_);
+    unmap_segment(base_, mapped_nbytes_);
     base_ = nullptr;
     throw std::runtime_error("shm: segment '" + name + "' was not made by this group (magic or config differs)");
   }
   header(rank_)->pid = getpid();
 }
 
-ShmComm::~ShmComm() {
-  if (base_ != nullptr) munmap(base_, mapped_nbytes_);
-}
+ShmComm::~ShmComm() { unmap_segment(base_, mapped_nbytes_); }
 
-void ShmComm::unlink(const std::string& name) { shm_unlink(name.c_str()); }
+void ShmComm::unlink(const std::string& name) { unlink_segment(name); }
 
 RankHeader* ShmComm::header(int rank) const {
   return reinterpret_cast<RankHeader*>(base_ + round_up(sizeof(SegmentHeader), 64)) + rank;
@@ -224,17 +194,18 @@ void ShmComm::check_descs(const StepInfo& step, const OpDesc& mine) {
   for (int peer = 0; peer < world_size_; ++peer) {
     const OpDesc& theirs = *slot_desc(peer, seq_);
     if (theirs.kind == mine.kind && theirs.dtype == mine.dtype && theirs.redop == mine.redop && theirs.root == mine.root &&
-        theirs.numel == mine.numel)
+        theirs.numel == mine.numel && theirs.zero_copy == mine.zero_copy)
       continue;
     mismatch << " rank " << peer << " called (kind=" << theirs.kind << ", dtype=" << theirs.dtype << ", op=" << theirs.redop
-             << ", root=" << theirs.root << ", numel=" << theirs.numel << ");";
+             << ", root=" << theirs.root << ", numel=" << theirs.numel << ", shm-allocated=" << theirs.zero_copy << ");";
   }
   if (mismatch.str().empty()) return;
   release();  // every rank sees the mismatch in this round, so all stay in step
   std::ostringstream message;
   message << step.op << ": ranks disagree on the call: rank " << rank_ << " called (kind=" << mine.kind
           << ", dtype=" << mine.dtype << ", op=" << mine.redop << ", root=" << mine.root << ", numel=" << mine.numel
-          << ") but" << mismatch.str() << " every rank must pass the same op, dtype and sizes";
+          << ", shm-allocated=" << mine.zero_copy << ") but" << mismatch.str()
+          << " every rank must pass the same op, dtype and sizes, and either all or no tensors from ringcomm.empty";
   throw std::invalid_argument(message.str());
 }
 

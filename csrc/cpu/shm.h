@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "common.h"
 
@@ -19,6 +20,16 @@ enum class OpKind : int32_t { kBarrier = 0, kAllReduce = 1, kReduceScatter = 2, 
 struct alignas(64) OpDesc {
   int32_t kind, dtype, redop, root;
   int64_t numel;
+  int32_t zero_copy;                 // 1: the buffers below are in windows peers can read
+  int64_t in_window, in_offset;      // window id and byte offset of the input
+  int64_t out_window, out_offset;    // ... and of the output
+};
+
+// Where rank r maps window `id` of every rank (see ShmWindow in shm_map.h).
+struct WindowTable {
+  int64_t id;
+  std::vector<char*> bases;   // by rank
+  std::vector<int64_t> nbytes;
 };
 
 struct alignas(64) Flag { std::atomic<uint64_t> value; };
@@ -61,6 +72,9 @@ class ShmComm {
   void broadcast(uintptr_t buffer, int64_t numel, int dtype, int root, double timeout_s);
   void barrier(double timeout_s);
 
+  void register_window(int64_t id, const std::vector<uintptr_t>& bases, const std::vector<int64_t>& nbytes);
+  void unregister_window(int64_t id);
+
   int rank() const { return rank_; }
   int world_size() const { return world_size_; }
   uint64_t rounds() const { return seq_; }
@@ -85,6 +99,18 @@ class ShmComm {
   void all_reduce_oneshot(const char* in, char* out, const OpDesc& desc, StepInfo& step);
   void all_reduce_twoshot(const char* in, char* out, const OpDesc& desc, StepInfo& step);
 
+  // Zero-copy: peers read each other's windows directly (shm_window.cpp).
+  bool locate(const void* ptr, int64_t nbytes, int64_t* window, int64_t* offset) const;
+  OpDesc describe(OpKind kind, int dtype, int redop, int root, int64_t numel, const void* in, int64_t in_nbytes,
+                  const void* out, int64_t out_nbytes) const;
+  const char* peer_input(int peer) const;
+  const char* peer_output(int peer) const;
+  void wait_consumed(const StepInfo& step);
+  void all_reduce_windows(const char* in, char* out, const OpDesc& desc, StepInfo& step);
+  void reduce_scatter_windows(const char* in, char* out, const OpDesc& desc, StepInfo& step);
+  void all_gather_windows(const char* in, char* out, const OpDesc& desc, StepInfo& step);
+  void broadcast_windows(char* data, const OpDesc& desc, StepInfo& step);
+
   std::string name_;
   int rank_;
   int world_size_;
@@ -93,6 +119,7 @@ class ShmComm {
   char* base_ = nullptr;
   int64_t mapped_nbytes_ = 0;
   uint64_t seq_ = 0;  // rounds this rank has posted
+  std::vector<WindowTable> windows_;
   std::string broken_;
 };
 

@@ -48,11 +48,14 @@ void ShmComm::all_reduce(uintptr_t input, uintptr_t output, int64_t numel, int d
   check_numel("all_reduce", numel);
   const DType dt = to_dtype(dtype);
   to_redop(redop);
-  const OpDesc desc{static_cast<int32_t>(OpKind::kAllReduce), dtype, redop, -1, numel};
   const int64_t nbytes = numel * element_nbytes(dt);
   const auto* in = reinterpret_cast<const char*>(input);
   auto* out = reinterpret_cast<char*>(output);
-  if (nbytes <= config_.oneshot_max_nbytes && nbytes <= config_.slot_nbytes) {
+  const OpDesc desc = describe(OpKind::kAllReduce, dtype, redop, -1, numel, in, nbytes, out, nbytes);
+  if (desc.zero_copy && nbytes > config_.oneshot_max_nbytes) {
+    StepInfo step = begin_op("all_reduce", 2, timeout_s);
+    all_reduce_windows(in, out, desc, step);
+  } else if (nbytes <= config_.oneshot_max_nbytes && nbytes <= config_.slot_nbytes) {
     StepInfo step = begin_op("all_reduce", 1, timeout_s);
     all_reduce_oneshot(in, out, desc, step);
   } else {
@@ -124,10 +127,15 @@ void ShmComm::reduce_scatter(uintptr_t input, uintptr_t output, int64_t chunk_nu
   check_numel("reduce_scatter", chunk_numel);
   const DType dt = to_dtype(dtype);
   to_redop(redop);
-  const OpDesc desc{static_cast<int32_t>(OpKind::kReduceScatter), dtype, redop, -1, chunk_numel};
   const auto* in = reinterpret_cast<const char*>(input);
   auto* out = reinterpret_cast<char*>(output);
   const int64_t esize = element_nbytes(dt);
+  const OpDesc desc = describe(OpKind::kReduceScatter, dtype, redop, -1, chunk_numel, in,
+                               world_size_ * chunk_numel * esize, out, chunk_numel * esize);
+  if (desc.zero_copy) {
+    StepInfo step = begin_op("reduce_scatter", 1, timeout_s);
+    return reduce_scatter_windows(in, out, desc, step);
+  }
   const int64_t part_nbytes = config_.slot_nbytes / world_size_ / 64 * 64;
   const int64_t segment_numel = part_nbytes / esize;
   const int64_t segments = num_segments(chunk_numel, segment_numel);
@@ -154,10 +162,15 @@ void ShmComm::reduce_scatter(uintptr_t input, uintptr_t output, int64_t chunk_nu
 void ShmComm::all_gather(uintptr_t input, uintptr_t output, int64_t chunk_numel, int dtype, double timeout_s) {
   check_numel("all_gather", chunk_numel);
   const DType dt = to_dtype(dtype);
-  const OpDesc desc{static_cast<int32_t>(OpKind::kAllGather), dtype, -1, -1, chunk_numel};
   const auto* in = reinterpret_cast<const char*>(input);
   auto* out = reinterpret_cast<char*>(output);
   const int64_t esize = element_nbytes(dt);
+  const OpDesc desc = describe(OpKind::kAllGather, dtype, -1, -1, chunk_numel, in, chunk_numel * esize, out,
+                               world_size_ * chunk_numel * esize);
+  if (desc.zero_copy) {
+    StepInfo step = begin_op("all_gather", 1, timeout_s);
+    return all_gather_windows(in, out, desc, step);
+  }
   const int64_t segment_numel = config_.slot_nbytes / esize;
   const int64_t segments = num_segments(chunk_numel, segment_numel);
   char* own_out = out + rank_ * chunk_numel * esize;
@@ -184,9 +197,13 @@ void ShmComm::broadcast(uintptr_t buffer, int64_t numel, int dtype, int root, do
   const DType dt = to_dtype(dtype);
   if (root < 0 || root >= world_size_)
     throw std::invalid_argument("broadcast: root=" + std::to_string(root) + " outside world_size " + std::to_string(world_size_));
-  const OpDesc desc{static_cast<int32_t>(OpKind::kBroadcast), dtype, -1, root, numel};
   auto* data = reinterpret_cast<char*>(buffer);
   const int64_t esize = element_nbytes(dt);
+  const OpDesc desc = describe(OpKind::kBroadcast, dtype, -1, root, numel, data, numel * esize, nullptr, 0);
+  if (desc.zero_copy) {
+    StepInfo step = begin_op("broadcast", 1, timeout_s);
+    return broadcast_windows(data, desc, step);
+  }
   const int64_t segment_numel = config_.slot_nbytes / esize;
   const int64_t segments = num_segments(numel, segment_numel);
   StepInfo step = begin_op("broadcast", segments, timeout_s);
@@ -204,7 +221,7 @@ void ShmComm::broadcast(uintptr_t buffer, int64_t numel, int dtype, int root, do
 }
 
 void ShmComm::barrier(double timeout_s) {
-  const OpDesc desc{static_cast<int32_t>(OpKind::kBarrier), -1, -1, -1, 0};
+  const OpDesc desc = describe(OpKind::kBarrier, -1, -1, -1, 0, nullptr, 0, nullptr, 0);
   StepInfo step = begin_op("barrier", 1, timeout_s);
   acquire_slot(step);
   post(&desc);

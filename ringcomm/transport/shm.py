@@ -12,7 +12,9 @@ import glob
 import os
 import secrets
 import time
+import weakref
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -36,11 +38,13 @@ class ShmOptions:
 class ShmTransport:
     kind = "shm"
 
-    def __init__(self, comm: _C.ShmComm, timeout_s: float) -> None:
+    def __init__(self, comm: _C.ShmComm, store: dist.Store, timeout_s: float) -> None:
         self._comm = comm
+        self._store = store
         self.rank = comm.rank
         self.world_size = comm.world_size
         self.timeout_s = timeout_s
+        self._next_window = 0
 
     @classmethod
     def create(cls, store: dist.Store, rank: int, world_size: int, timeout_s: float, options: ShmOptions) -> ShmTransport:
@@ -48,19 +52,49 @@ class ShmTransport:
         spin = options.spin_before_yield if world_size <= (os.cpu_count() or 1) else 16
         args = (rank, world_size, options.slot_nbytes, options.num_slots, options.oneshot_max_nbytes, spin)
         if rank != 0:
-            name = store.get("shm/name").decode()
+            name = _get(store, "shm/name", timeout_s, f"shm: rank {rank} waiting for rank 0 to create the segment").decode()
             comm = _C.ShmComm(name, *args, create=False)
             store.set(f"shm/attached/{rank}", "1")
-            return cls(comm, timeout_s)
+            return cls(comm, store, timeout_s)
         remove_stale_segments()
         name = f"/{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
         comm = _C.ShmComm(name, *args, create=True)
         try:
             store.set("shm/name", name)
-            _wait_attached(store, world_size, timeout_s)
+            _wait_attached(store, "shm/attached", world_size, timeout_s)
         finally:
             _C.ShmComm.unlink(name)
-        return cls(comm, timeout_s)
+        return cls(comm, store, timeout_s)
+
+    def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Collective: a tensor in a window of shared memory that every rank maps,
+        so collectives on it read peers' data in place (no staging copies). Its
+        segment is unlinked once all ranks mapped it; the memory lives as long
+        as the tensor (and the peers' mappings of it)."""
+        window_id = self._next_window
+        self._next_window += 1
+        nbytes = max(1, numel * torch.empty(0, dtype=dtype).element_size())
+        name = f"/{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+        own = _C.ShmWindow(name, nbytes, create=True)
+        prefix = f"window/{window_id}"
+        try:
+            self._store.set(f"{prefix}/{self.rank}", f"{name} {nbytes}")
+            peers = {}
+            for peer in range(self.world_size):
+                if peer != self.rank:
+                    what = f"empty: rank {self.rank} waiting for rank {peer} to allocate (every rank must call it)"
+                    peer_name, peer_nbytes = _get(self._store, f"{prefix}/{peer}", self.timeout_s, what).decode().split()
+                    peers[peer] = _C.ShmWindow(peer_name, int(peer_nbytes), create=False)
+            self._store.set(f"{prefix}/mapped/{self.rank}", "1")
+            _wait_attached(self._store, f"{prefix}/mapped", self.world_size, self.timeout_s, first=0)
+        finally:
+            _C.ShmWindow.unlink(name)
+        windows = [peers.get(r, own) for r in range(self.world_size)]
+        self._comm.register_window(window_id, [w.address for w in windows], [w.nbytes for w in windows])
+        # Forget the window before its memory can be reused: the finalizer runs when
+        # the last tensor on it is gone, before the mapping is released.
+        weakref.finalize(own, _forget_window, weakref.ref(self), window_id, peers)
+        return torch.frombuffer(own, dtype=torch.uint8, count=nbytes).view(dtype)[:numel]
 
     def supports(self, device: torch.device) -> bool:
         return device.type == "cpu"
@@ -88,15 +122,30 @@ class ShmTransport:
         self._comm = None
 
 
-def _wait_attached(store: dist.Store, world_size: int, timeout_s: float) -> None:
-    keys = [f"shm/attached/{r}" for r in range(1, world_size)]
+def _get(store: dist.Store, key: str, timeout_s: float, what: str) -> bytes:
+    try:
+        store.wait([key], timedelta(seconds=timeout_s))
+    except Exception as err:  # the store raises its own error type on timeout
+        raise RuntimeError(f"{what}: no answer within {timeout_s} s ({err})") from err
+    return store.get(key)
+
+
+def _forget_window(transport_ref: weakref.ref, window_id: int, peers: dict) -> None:
+    transport = transport_ref()
+    if transport is not None and transport._comm is not None:
+        transport._comm.unregister_window(window_id)
+    peers.clear()
+
+
+def _wait_attached(store: dist.Store, prefix: str, world_size: int, timeout_s: float, first: int = 1) -> None:
+    keys = [f"{prefix}/{r}" for r in range(first, world_size)]
     deadline = time.monotonic() + timeout_s
     while True:
         missing = [int(k.rsplit("/", 1)[1]) for k in keys if not store.check([k])]
         if not missing:
             return
         if time.monotonic() > deadline:
-            raise RuntimeError(f"shm: rank 0 timed out after {timeout_s} s waiting for ranks {missing} to map the segment")
+            raise RuntimeError(f"shm: timed out after {timeout_s} s waiting for ranks {missing} to map a segment ({prefix})")
         time.sleep(0.001)
 
 

@@ -1,0 +1,177 @@
+// Zero-copy collectives of the shared-memory transport: when every rank's
+// buffers live in windows (tensors from ringcomm.empty, mapped by all ranks),
+// ranks read each other's buffers directly instead of staging copies.
+//
+// [Note: window hazards] A rank's buffer may be read by peers from the round
+// in which it posts until every peer has consumed that round, so: a rank posts
+// only once its buffer holds the data peers need; it overwrites a part of its
+// buffer that a peer reads only after that peer posted the next round; and it
+// returns only after every peer consumed its last round (wait_consumed), since
+// the caller may then change the buffer.
+#include <cstring>
+#include <vector>
+
+#include "reduce.h"
+#include "shm.h"
+
+namespace ringcomm {
+namespace {
+
+struct Span {
+  int64_t begin;
+  int64_t numel;
+};
+
+Span balanced_chunk(int64_t numel, int parts, int index) {
+  const int64_t base = numel / parts, extra = numel % parts;
+  return Span{index * base + (index < extra ? index : extra), base + (index < extra ? 1 : 0)};
+}
+
+}  // namespace
+
+void ShmComm::register_window(int64_t id, const std::vector<uintptr_t>& bases, const std::vector<int64_t>& nbytes) {
+  if (static_cast<int>(bases.size()) != world_size_ || static_cast<int>(nbytes.size()) != world_size_)
+    throw std::invalid_argument("shm: register_window needs one base and size per rank");
+  WindowTable table{id, std::vector<char*>(world_size_), nbytes};
+  for (int r = 0; r < world_size_; ++r) table.bases[r] = reinterpret_cast<char*>(bases[r]);
+  windows_.push_back(std::move(table));
+}
+
+void ShmComm::unregister_window(int64_t id) {
+  for (size_t i = 0; i < windows_.size(); ++i) {
+    if (windows_[i].id == id) {
+      windows_.erase(windows_.begin() + static_cast<long>(i));
+      return;
+    }
+  }
+}
+
+bool ShmComm::locate(const void* ptr, int64_t nbytes, int64_t* window, int64_t* offset) const {
+  const char* p = static_cast<const char*>(ptr);
+  for (const WindowTable& table : windows_) {
+    const char* base = table.bases[rank_];
+    if (nbytes > 0 && p >= base && p + nbytes <= base + table.nbytes[rank_]) {
+      *window = table.id;
+      *offset = p - base;
+      return true;
+    }
+  }
+  *window = -1;
+  *offset = 0;
+  return false;
+}
+
+OpDesc ShmComm::describe(OpKind kind, int dtype, int redop, int root, int64_t numel, const void* in, int64_t in_nbytes,
+                         const void* out, int64_t out_nbytes) const {
+  OpDesc desc{static_cast<int32_t>(kind), dtype, redop, root, numel, 0, -1, 0, -1, 0};
+  const bool in_window = locate(in, in_nbytes, &desc.in_window, &desc.in_offset);
+  const bool out_window = locate(out, out_nbytes, &desc.out_window, &desc.out_offset);
+  switch (kind) {
+    case OpKind::kAllReduce: desc.zero_copy = in_window && (out == in || out_window); break;
+    case OpKind::kReduceScatter: case OpKind::kAllGather: case OpKind::kBroadcast: desc.zero_copy = in_window; break;
+    case OpKind::kBarrier: break;
+  }
+  return desc;
+}
+
+static const char* window_address(const std::vector<WindowTable>& windows, int peer, int64_t id, int64_t offset,
+                                  const char* op) {
+  for (const WindowTable& table : windows)
+    if (table.id == id) return table.bases[peer] + offset;
+  throw std::runtime_error(std::string(op) + ": rank " + std::to_string(peer) + " passed window " + std::to_string(id) +
+                           ", which this rank no longer has (freed its ringcomm.empty tensor?)");
+}
+
+const char* ShmComm::peer_input(int peer) const {
+  const OpDesc& desc = *slot_desc(peer, seq_);
+  return window_address(windows_, peer, desc.in_window, desc.in_offset, "shm");
+}
+
+const char* ShmComm::peer_output(int peer) const {
+  const OpDesc& desc = *slot_desc(peer, seq_);
+  return desc.out_window < 0 ? peer_input(peer) : window_address(windows_, peer, desc.out_window, desc.out_offset, "shm");
+}
+
+void ShmComm::wait_consumed(const StepInfo& step) {
+  for (int peer = 0; peer < world_size_; ++peer)
+    if (peer != rank_) wait_for(peer, header(peer)->consumed, seq_, step, "finish reading this rank's buffer");
+}
+
+// Round 1: each rank reduces its chunk from every rank's input into its output.
+// Round 2: each rank copies the other chunks from their owners' outputs.
+void ShmComm::all_reduce_windows(const char* in, char* out, const OpDesc& desc, StepInfo& step) {
+  const DType dt = static_cast<DType>(desc.dtype);
+  const int64_t esize = element_nbytes(dt);
+  step.num_steps = 2;
+  acquire_slot(step);
+  post(&desc);
+  wait_posted(step);
+  check_descs(step, desc);
+  std::vector<const char*> inputs(world_size_), outputs(world_size_);
+  for (int peer = 0; peer < world_size_; ++peer) {
+    inputs[peer] = peer == rank_ ? in : peer_input(peer);
+    outputs[peer] = peer == rank_ ? out : peer_output(peer);
+  }
+  const Span mine = balanced_chunk(desc.numel, world_size_, rank_);
+  std::vector<const void*> srcs(world_size_);
+  for (int peer = 0; peer < world_size_; ++peer) srcs[peer] = inputs[peer] + mine.begin * esize;
+  reduce_n(out + mine.begin * esize, srcs.data(), world_size_, mine.numel, dt, static_cast<RedOp>(desc.redop), world_size_);
+  release();
+
+  step.step = 1;
+  acquire_slot(step);
+  post(nullptr);
+  wait_posted(step);
+  for (int peer = 0; peer < world_size_; ++peer) {
+    if (peer == rank_) continue;
+    const Span chunk = balanced_chunk(desc.numel, world_size_, peer);
+    std::memcpy(out + chunk.begin * esize, outputs[peer] + chunk.begin * esize, chunk.numel * esize);
+  }
+  release();
+  wait_consumed(step);
+}
+
+void ShmComm::reduce_scatter_windows(const char* in, char* out, const OpDesc& desc, StepInfo& step) {
+  const DType dt = static_cast<DType>(desc.dtype);
+  const int64_t chunk_nbytes = desc.numel * element_nbytes(dt);
+  step.num_steps = 1;
+  acquire_slot(step);
+  post(&desc);
+  wait_posted(step);
+  check_descs(step, desc);
+  std::vector<const void*> srcs(world_size_);
+  for (int peer = 0; peer < world_size_; ++peer)
+    srcs[peer] = (peer == rank_ ? in : peer_input(peer)) + rank_ * chunk_nbytes;
+  reduce_n(out, srcs.data(), world_size_, desc.numel, dt, static_cast<RedOp>(desc.redop), world_size_);
+  release();
+  wait_consumed(step);
+}
+
+void ShmComm::all_gather_windows(const char* in, char* out, const OpDesc& desc, StepInfo& step) {
+  const int64_t chunk_nbytes = desc.numel * element_nbytes(static_cast<DType>(desc.dtype));
+  step.num_steps = 1;
+  acquire_slot(step);
+  post(&desc);
+  char* own = out + rank_ * chunk_nbytes;
+  if (own != in) std::memcpy(own, in, chunk_nbytes);
+  wait_posted(step);
+  check_descs(step, desc);
+  for (int peer = 0; peer < world_size_; ++peer)
+    if (peer != rank_) std::memcpy(out + peer * chunk_nbytes, peer_input(peer), chunk_nbytes);
+  release();
+  wait_consumed(step);
+}
+
+void ShmComm::broadcast_windows(char* data, const OpDesc& desc, StepInfo& step) {
+  step.num_steps = 1;
+  acquire_slot(step);
+  post(&desc);
+  wait_posted(step);
+  check_descs(step, desc);
+  if (rank_ != desc.root)
+    std::memcpy(data, peer_input(desc.root), desc.numel * element_nbytes(static_cast<DType>(desc.dtype)));
+  release();
+  if (rank_ == desc.root) wait_consumed(step);
+}
+
+}  // namespace ringcomm
