@@ -1,7 +1,7 @@
 """ringcomm: bucketed ring collectives for data-parallel training in PyTorch."""
 from __future__ import annotations
 
-from .collectives import all_gather, all_reduce, barrier, broadcast, reduce_scatter
+from .collectives import all_gather, all_reduce, barrier, broadcast, empty, reduce_scatter
 from .group import Group, GroupOptions, create_group, default_group, destroy_default_group, new_group
 from .ops import ReduceOp
 from .transport.shm import ShmOptions
@@ -11,7 +11,7 @@ from .process_group import register_backend as _register_backend; _register_back
 
 __all__ = [
     "Group", "GroupOptions", "ReduceOp", "ShmOptions", "TorchDistOptions", "Work", "all_gather", "all_reduce",
-    "barrier", "broadcast", "create_group", "default_group", "destroy_default_group", "new_group", "reduce_scatter",
+    "barrier", "broadcast", "empty", "create_group", "default_group", "destroy_default_group", "new_group", "reduce_scatter",
 ]
 
 # Flat buffers, buckets and overlap (issue 5).
