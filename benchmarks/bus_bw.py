@@ -48,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of " + ",".join(OPS))
     p.add_argument("--backends", default="ringcomm,gloo", help="comma-separated: ringcomm, gloo")
     p.add_argument("--transport", default="auto", choices=("auto", "shm", "torch_dist"))
+    p.add_argument("--alloc", default="shm", choices=("shm", "torch"),
+                   help="ringcomm's buffers: ringcomm.empty (shared memory, no staging copies) or torch.empty")
     p.add_argument("--nproc", type=int, default=2, help="local ranks to spawn when not under a launcher")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any one collective may take")
     p.add_argument("--json", default=None, help="write every row and the machine info here")

@@ -138,16 +138,22 @@ class Runner:
         dist.broadcast(rate, 0)
         return float(rate)
 
+    def buffer(self, backend: str, numel: int) -> torch.Tensor:
+        """ringcomm's buffers come from ringcomm.empty (shared memory on the shm
+        transport, as its flat buffers are) unless --alloc torch; gloo's from torch.empty."""
+        if backend == "ringcomm" and self.args.alloc == "shm":
+            return ringcomm.empty(numel, dtype=self.dtype, group=self.group)
+        return torch.empty(numel, dtype=self.dtype)
+
     def measure_size(self, op: str, size: int, progress) -> list[dict]:
         esize = torch.empty(0, dtype=self.dtype).element_size()
         unit = 1 if op == "all_reduce" else self.world_size
         numel = max(unit, size // esize // unit * unit)
-        full = torch.empty(numel, dtype=self.dtype)
-        full_out = torch.empty(numel, dtype=self.dtype)
-        chunk = torch.empty(numel // self.world_size if op != "all_reduce" else 0, dtype=self.dtype)
         memcpy = self.memcpy_rate(numel * esize)
         rows = []
         for backend in self.args.backends:
+            full, full_out, chunk = (self.buffer(backend, n) for n in
+                                     (numel, numel, numel // self.world_size if op != "all_reduce" else 0))
             columns = {}
             for in_place in (False, True):
                 call, result, refill = self.make_call(op, backend, in_place, full, chunk, full_out)
@@ -170,7 +176,7 @@ class Runner:
 
 def format_header(op: str, args, runner: Runner) -> str:
     line = (f"#\n# {op}: {runner.world_size} ranks, {args.datatype}, op {args.op}, ringcomm transport "
-            f"{runner.transport_kind}, {args.iters} iters after {args.warmup_iters} warm-up\n#\n"
+            f"{runner.transport_kind} (buffers: {args.alloc}), {args.iters} iters after {args.warmup_iters} warm-up\n#\n"
             f"# {'':>40}{'out-of-place':>36}{'in-place':>38}\n"
             f"# {'size':>11} {'count':>11} {'type':>8} {'redop':>5} {'backend':>9}"
             f" {'time':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6}"

@@ -73,7 +73,8 @@ class ShmTransport:
         as the tensor (and the peers' mappings of it)."""
         window_id = self._next_window
         self._next_window += 1
-        nbytes = max(1, numel * torch.empty(0, dtype=dtype).element_size())
+        element_nbytes = torch.empty(0, dtype=dtype).element_size()
+        nbytes = max(1, numel) * element_nbytes
         name = f"/{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
         own = _C.ShmWindow(name, nbytes, create=True)
         prefix = f"window/{window_id}"
