@@ -50,14 +50,14 @@ def on_cuda(tensors: Sequence[torch.Tensor]) -> bool:
     return any(t.device.type == "cuda" for t in tensors)
 
 
-def accelerates(tensors: Sequence[torch.Tensor], supports_device) -> bool:
+def accelerates(tensors: Sequence[torch.Tensor], supports) -> bool:
     """True when ringcomm's transport takes every tensor as it is: one device the
     transport handles (CPU for shm), one supported dtype, contiguous."""
     if not tensors:
         return False
     dtype = tensors[0].dtype
     return all(t.dtype == dtype and t.dtype in DTYPE_CODES and t.is_contiguous() and t.device.type == "cpu"
-               and supports_device(t.device) for t in tensors)
+               and supports(t) for t in tensors)
 
 
 def is_async(opts: object) -> bool:

@@ -16,10 +16,10 @@ def _check(op: str, name: str, tensor: object, group: Group) -> torch.Tensor:
     if not tensor.is_contiguous():
         raise ValueError(f"{op}: {name} must be contiguous (shape {tuple(tensor.shape)}, "
                          f"stride {tensor.stride()}) on rank {group.rank}")
-    if not group.transport.supports(tensor.device):
+    if not group.transport.supports(tensor):
         raise ValueError(f"{op}: the {group.transport.kind} transport does not handle {name} on {tensor.device} "
                          f"(rank {group.rank}); use a CPU tensor or transport='torch_dist'")
-    return tensor.view(-1)
+    return tensor
 
 
 def _check_pair(op: str, output: torch.Tensor, input: torch.Tensor, group: Group) -> None:

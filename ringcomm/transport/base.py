@@ -12,14 +12,15 @@ class Transport(Protocol):
     """Moves and combines the bytes of one group's collectives.
 
     Callers (ringcomm.collectives) have already checked the arguments: tensors
-    are contiguous, 1-D, of one supported dtype, with consistent numels.
+    are contiguous (of any shape: a transport reads them as flat), of one
+    supported dtype, with consistent numels.
     """
 
     kind: str
     rank: int
     world_size: int
 
-    def supports(self, device: torch.device) -> bool: ...
+    def supports(self, tensor: torch.Tensor) -> bool: ...
 
     def all_reduce(self, input: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> None: ...
 

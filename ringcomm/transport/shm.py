@@ -97,8 +97,8 @@ class ShmTransport:
         weakref.finalize(own, _forget_window, weakref.ref(self), window_id, peers)
         return torch.frombuffer(own, dtype=torch.uint8, count=nbytes).view(dtype)[:numel]
 
-    def supports(self, device: torch.device) -> bool:
-        return device.type == "cpu"
+    def supports(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_cpu
 
     def all_reduce(self, input: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> None:
         code = dtype_code(input.dtype, where="all_reduce")

@@ -113,7 +113,7 @@ class TorchDistTransport:
         self.options = options
         self._link = _P2PLink(pg, timeout_s, _Diagnosis(store, self.rank, self.world_size))
 
-    def supports(self, device: torch.device) -> bool:
+    def supports(self, tensor: torch.Tensor) -> bool:
         return True
 
     def _segment_numel(self, tensor: torch.Tensor) -> int:
@@ -142,6 +142,7 @@ class TorchDistTransport:
             )
 
     def all_reduce(self, input: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> None:
+        input, output = input.view(-1), output.view(-1)
         self._check_call("all_reduce", input, input.numel(), redop=int(op))
         chunks = schedule.chunk_bounds(input.numel(), self.world_size)
         own = chunks[self.rank]
@@ -156,6 +157,7 @@ class TorchDistTransport:
         ring.all_gather(self._link, output, chunks, self._segment_numel(output), name="all_reduce")
 
     def reduce_scatter(self, input: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> None:
+        input, output = input.view(-1), output.view(-1)
         self._check_call("reduce_scatter", input, output.numel(), redop=int(op))
         chunks = schedule.equal_chunks(output.numel(), self.world_size)
         own = chunks[self.rank]
@@ -164,6 +166,7 @@ class TorchDistTransport:
         output.copy_(work[own.begin:own.end])
 
     def all_gather(self, input: torch.Tensor, output: torch.Tensor) -> None:
+        input, output = input.view(-1), output.view(-1)
         self._check_call("all_gather", input, input.numel())
         chunks = schedule.equal_chunks(input.numel(), self.world_size)
         own = output[chunks[self.rank].begin:chunks[self.rank].end]
