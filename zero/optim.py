@@ -48,7 +48,18 @@ def rebind(optimizer: torch.optim.Optimizer, params: list[nn.Parameter],
                                  f"parameter of the model")
             new.extend(slices.get(index_of[id(p)], []))
         group["params"] = new
+        if _may_fuse(optimizer, group):
+            group["fused"] = True
     optimizer.state = defaultdict(dict)
+
+
+def _may_fuse(optimizer: torch.optim.Optimizer, group: dict) -> bool:
+    """Adam/AdamW whose caller chose no implementation run torch's fused kernel on
+    the fp32 master shard: one pass over memory instead of six (same update up
+    to rounding)."""
+    return (type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and group.get("fused") is None
+            and group.get("foreach") is None and not group.get("differentiable", False)
+            and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in group["params"]))
 
 
 class WarmupLR:

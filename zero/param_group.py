@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .comm import Comm, Handle
-from .partition import ShardingPolicy, UnitPlan
+from .partition import ParamSlot, ShardingPolicy, UnitPlan
 
 
 class Unit:
@@ -40,6 +40,9 @@ class Unit:
         self.master_views: list[tuple[torch.Tensor, int, int]] = []  # optimizer parameters
         self.owned: tuple[int, int] = (0, plan.padded_numel)
         self.num_ready = 0
+        self.written: set[int] = set()  # slots written this backward
+        self.fresh = True  # `grad` holds nothing of this accumulation window (skip the memset)
+        self.owned_fresh = True  # the same for a separate `grad_owned` (stages 2-3)
         self.reduction: Handle | None = None
         self.gather: Handle | None = None
 
@@ -141,20 +144,39 @@ class ParamGroup:
     # ---- backward ------------------------------------------------------------
     def _hook(self, unit: Unit, slot):
         def on_grad(param: nn.Parameter) -> None:
-            self.add_grad(unit, slot.begin, slot.end, param)
+            self.add_grad(unit, slot, param)
         return on_grad
 
-    def add_grad(self, unit: Unit, begin: int, end: int, param: nn.Parameter) -> None:
+    def add_grad(self, unit: Unit, slot: ParamSlot, param: nn.Parameter) -> None:
         """Adds a parameter's gradient (pre-divided by world_size) to its bucket;
         launches the bucket's reduction once its last gradient arrived."""
         if unit.grad is None:
-            unit.grad = torch.zeros(unit.plan.padded_numel, dtype=unit.shard.dtype)
-            self._track(unit.grad.nbytes)
-        unit.grad[begin:end].add_(param.grad.reshape(-1), alpha=1.0 / self.comm.world_size)
+            self._new_bucket(unit)
+        grad, scale, begin, end = param.grad.reshape(-1), 1.0 / self.comm.world_size, slot.begin, slot.end
+        if unit.fresh:  # first write since the bucket was (re)started: no zeroing, no read
+            torch.mul(grad, scale, out=unit.grad[begin:end])
+        else:
+            unit.grad[begin:end].add_(grad, alpha=scale)
         param.grad = None
         unit.num_ready += 1
+        unit.written.add(slot.index)
         if unit.num_ready == len(unit.params) and self._reduce_now():
             self.start_reduce(unit)
+
+    def _new_bucket(self, unit: Unit) -> None:
+        unit.grad = torch.empty(unit.plan.padded_numel, dtype=unit.shard.dtype)
+        unit.grad[unit.plan.numel:].zero_()  # padding stays zero through every reduction
+        unit.fresh = True
+        self._track(unit.grad.nbytes)
+
+    def _fill_unwritten(self, unit: Unit) -> None:
+        """Zeroes the slots of parameters that got no gradient in a fresh bucket."""
+        if unit.grad is None:
+            self._new_bucket(unit)
+        if unit.fresh:
+            for slot in unit.plan.slots:
+                if slot.index not in unit.written:
+                    unit.grad[slot.begin:slot.end].zero_()
 
     def _reduce_now(self) -> bool:
         return self.policy.shard_grads or self.boundary
@@ -162,12 +184,13 @@ class ParamGroup:
     def start_reduce(self, unit: Unit) -> None:
         if unit.reduction is not None:
             return
-        if unit.grad is None:  # no gradient reached this unit (unused parameters)
-            unit.grad = torch.zeros(unit.plan.padded_numel, dtype=unit.shard.dtype)
-            self._track(unit.grad.nbytes)
+        if unit.num_ready < len(unit.params):  # parameters without a gradient this backward
+            self._fill_unwritten(unit)
         if self.policy.shard_optimizer:
             begin, end = unit.plan.chunk(unit.rank)
-            unit.reduction = self.comm.reduce_scatter(unit.grad[begin:end], unit.grad, async_op=True)
+            direct = self.policy.shard_grads and unit.owned_fresh  # reduce straight into the accumulator
+            output = unit.grad_owned if direct else unit.grad[begin:end]
+            unit.reduction = self.comm.reduce_scatter(output, unit.grad, async_op=True)
         else:
             unit.reduction = self.comm.all_reduce(unit.grad, async_op=True)
         self.launched.append(unit)
@@ -180,17 +203,25 @@ class ParamGroup:
         if self._reduce_now():
             for unit in self.units:
                 self.start_reduce(unit)
+        else:
+            for unit in self.units:
+                if unit.num_ready < len(unit.params):
+                    self._fill_unwritten(unit)
         for unit in self.launched:
             unit.reduction.wait()
             unit.reduction = None
             if self.policy.shard_grads:
-                begin, end = unit.plan.chunk(unit.rank)
-                unit.grad_owned.add_(unit.grad[begin:end])
+                if not unit.owned_fresh:
+                    begin, end = unit.plan.chunk(unit.rank)
+                    unit.grad_owned.add_(unit.grad[begin:end])
+                unit.owned_fresh = False
                 self._track(-unit.grad.nbytes)
                 unit.grad = None
         self.launched = []
         for unit in self.units:
             unit.num_ready = 0
+            unit.written.clear()
+            unit.fresh = False
             unit.reshard()
 
     def _track(self, nbytes: int) -> None:
@@ -205,7 +236,7 @@ class ParamGroup:
         """Global L2 norm of the (still scaled) reduced gradients."""
         total = torch.zeros(1, dtype=torch.float64)
         for g in grads:
-            total += g.double().pow(2).sum()
+            total += torch.linalg.vector_norm(g).double() ** 2
         if self.policy.shard_optimizer:
             self.comm.all_reduce(total)
         return float(total.sqrt())
@@ -213,8 +244,10 @@ class ParamGroup:
     def set_master_grads(self, grads: list[torch.Tensor], coef: float) -> None:
         """Hands the optimizer its gradients: owned slices times `coef` (unscale, clip)."""
         for unit, g in zip(self.units, grads):
+            if coef != 1.0:
+                g.mul_(coef)  # g is a scratch fp32 copy or the owned gradient, zeroed after the step
             for view, begin, end in unit.master_views:
-                view.grad = g[begin:end].mul(coef)
+                view.grad = g[begin:end]
 
     def publish_masters(self) -> None:
         """Copies updated masters into the parameters; all-gathers resident units."""
@@ -243,7 +276,7 @@ class ParamGroup:
         return [out[i] for i in sorted(out)]
 
     def zero_grads(self) -> None:
+        """Starts a new accumulation window: the next writes overwrite (no memset)."""
         for unit in self.units:
-            unit.grad_owned.zero_()
-            if unit.grad is not None:
-                unit.grad.zero_()
+            unit.fresh = True
+            unit.owned_fresh = True
