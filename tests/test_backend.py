@@ -31,9 +31,15 @@ TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (3e-2, 5e-2), torch.fl
 
 def reinit(rank: int, world_size: int, init_method: str, backend: str = "ringcomm") -> None:
     """Swaps the harness's gloo default group for `backend` at `init_method`."""
+    dist.barrier()  # every rank has finished connecting the harness's gloo group before any leaves it
     dist.destroy_process_group()
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=60))
+
+
+def check_transport(rank: int) -> None:
+    kind = dist.group.WORLD._group.transport.kind
+    assert kind == os.environ["RINGCOMM_TRANSPORT"], f"rank {rank}: transport {kind}, asked for {os.environ['RINGCOMM_TRANSPORT']}"
 
 
 def rand(seed: int, rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -66,6 +72,7 @@ def gloo_reference(call: str, gloo: dist.ProcessGroup, op: str, world_size: int,
 # ---- reduce calls (all_reduce, reduce_scatter in four spellings) vs gloo ----
 def reductions_worker(rank: int, world_size: int, init_method: str) -> int:
     reinit(rank, world_size, init_method)
+    check_transport(rank)
     gloo = dist.new_group(backend="gloo")
     checked = 0
     for seed, (dtype, op, numel) in enumerate((d, o, n) for d in DTYPES for o in OPS for n in NUMELS):
@@ -114,6 +121,7 @@ def reduce_scatter_cases(rank: int, world_size: int, gloo, seed: int, dtype: tor
 # ---- data movement (all_gather in three spellings, broadcast, barrier): exact ----
 def movement_worker(rank: int, world_size: int, init_method: str) -> int:
     reinit(rank, world_size, init_method)
+    check_transport(rank)
     gloo = dist.new_group(backend="gloo")
     checked = 0
     for seed, (dtype, numel) in enumerate((d, n) for d in DTYPES for n in NUMELS):
@@ -148,18 +156,26 @@ def movement_worker(rank: int, world_size: int, init_method: str) -> int:
     return checked + 2
 
 
+# (world_size, transport); with 3 ranks async calls run on the comm thread, else inline.
+CASES = [(2, "shm"), (3, "shm"), (4, "shm"), (3, "torch_dist")]
+
+
+def case_env(world_size: int, transport: str) -> dict[str, str]:
+    return {"RINGCOMM_TRANSPORT": transport, "RINGCOMM_ASYNC": "thread" if world_size == 3 else "inline"}
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_reductions_match_gloo(world_size: int, tmp_path) -> None:
-    env = {"RINGCOMM_ASYNC": "thread" if world_size == 3 else "inline"}  # both ways async calls can run
+@pytest.mark.parametrize("world_size,transport", CASES)
+def test_reductions_match_gloo(world_size: int, transport: str, tmp_path) -> None:
+    env = case_env(world_size, transport)
     checked = run_ranks(reductions_worker, world_size, f"file://{tmp_path}/rdv", timeout=100, env=env)
     assert checked[0] == len(DTYPES) * len(OPS) * len(NUMELS) * 8
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_movement_matches_gloo(world_size: int, tmp_path) -> None:
-    env = {"RINGCOMM_ASYNC": "thread" if world_size == 3 else "inline"}
+@pytest.mark.parametrize("world_size,transport", CASES)
+def test_movement_matches_gloo(world_size: int, transport: str, tmp_path) -> None:
+    env = case_env(world_size, transport)
     checked = run_ranks(movement_worker, world_size, f"file://{tmp_path}/rdv", timeout=100, env=env)
     assert checked[0] > 0
 

@@ -34,6 +34,14 @@ def count_transport_calls() -> collections.Counter:
     return calls
 
 
+def reinit(rank: int, world_size: int, init_method: str, backend: str) -> None:
+    """Swaps the harness's gloo default group for `backend` at `init_method`."""
+    dist.barrier()  # every rank has finished connecting the harness's gloo group before any leaves it
+    dist.destroy_process_group()
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=60))
+
+
 def small_model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
@@ -83,9 +91,7 @@ def train_fsdp2(base: nn.Module, pg: dist.ProcessGroup, rank: int) -> list[torch
 def torch_models_worker(rank: int, world_size: int, init_method: str) -> dict[str, float]:
     """Trains each wrapper on a gloo group, then on the ringcomm default group;
     returns the largest parameter difference per wrapper."""
-    dist.destroy_process_group()
-    dist.init_process_group("ringcomm", init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=60))
+    reinit(rank, world_size, init_method, "ringcomm")
     gloo, ours = dist.new_group(backend="gloo"), dist.group.WORLD
     base = small_model()
     runs = {
@@ -128,9 +134,7 @@ def deepspeed_worker(rank: int, world_size: int, init_method: str, backend: str)
     # inference all-reduce (~45 s of compiling on 2 cores); training never calls it.
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size))  # what a launcher sets
-    dist.destroy_process_group()
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=60))
+    reinit(rank, world_size, init_method, backend)
     deepspeed.init_distributed(dist_backend=backend)
     assert dist.get_backend() == backend, f"rank {rank}: DeepSpeed runs on {dist.get_backend()}, not {backend}"
     params, calls = {}, count_transport_calls()
