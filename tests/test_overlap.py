@@ -127,6 +127,21 @@ def _features(rank: int, world_size: int) -> None:
     scheduler.finish()
     _compare(model, expected, "mixed find_unused", rank)
     _accumulation_and_reuse(rank, group)
+    _overlap_off_and_misuse(rank, group)
+
+
+def _overlap_off_and_misuse(rank: int, group: ringcomm.Group) -> None:
+    model = _build("mlp", torch.float32)
+    scheduler = _scheduler(model, group, 256, overlap=False)
+    assert ringcomm.transport_allocator(group) is not None or group.transport.kind != "shm", f"rank {rank}"
+    _backward(model, "mlp", rank, 0, torch.float32)
+    assert not scheduler._launches, f"rank {rank}: overlap=False launched during backward"
+    report = scheduler.finish()
+    assert report.num_buckets > 1 and report.exposed_s == pytest.approx(report.comm_s), f"rank {rank}: {report}"
+    assert report.hidden_fraction == pytest.approx(0.0, abs=1e-9), f"rank {rank}: {report}"
+    _backward(model, "mlp", rank, 0, torch.float32)
+    with pytest.raises(RuntimeError, match="marked ready twice"):
+        _backward(model, "mlp", rank, 0, torch.float32)
 
 
 def _accumulation_and_reuse(rank: int, group: ringcomm.Group) -> None:

@@ -1,0 +1,182 @@
+"""Comm/compute overlap of BucketScheduler: one MLP step (forward, backward,
+gradient sync) with overlap on and off, and gloo DDP as the reference.
+
+    python benchmarks/overlap.py [--world-size 2] [--steps 12] [--transport auto]
+
+Spawns local ranks itself (file rendezvous, one compute thread per rank).
+Prints a table and writes JSON (bench-results/overlap.json by default).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=8, help="Linear layers of the MLP")
+    parser.add_argument("--width", type=int, default=512, help="hidden width (parameters: layers * width^2)")
+    parser.add_argument("--batch", type=int, default=512, help="rows per rank: sets how long backward is")
+    parser.add_argument("--bucket-mb", type=float, default=2.0, help="bucket_bytes in MiB")
+    parser.add_argument("--first-bucket-mb", type=float, default=1.0)
+    parser.add_argument("--mode", default="reduce_scatter", choices=("reduce_scatter", "all_reduce"))
+    parser.add_argument("--transport", default="auto", choices=("auto", "shm", "torch_dist"))
+    parser.add_argument("--steps", type=int, default=12, help="timed steps per configuration")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--json", default="bench-results/overlap.json")
+    return parser.parse_args(argv)
+
+
+def build_model(args: argparse.Namespace):
+    import torch
+
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(args.layers):
+        layers += [torch.nn.Linear(args.width, args.width), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers)
+
+
+def ringcomm_step(model, scheduler, batch):
+    scheduler.zero_grad()
+    model(batch).square().mean().backward()
+    return scheduler.finish()
+
+
+def ddp_step(ddp, batch):
+    ddp.zero_grad(set_to_none=False)
+    ddp(batch).square().mean().backward()
+
+
+def run_rank(rank: int, args: argparse.Namespace, init_file: str, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import ringcomm
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=args.world_size,
+                            timeout=timedelta(seconds=120))
+    group = ringcomm.new_group(transport=args.transport, timeout=120)
+    models, schedulers = {}, {}
+    for name, overlap in (("overlap on", True), ("overlap off", False)):
+        models[name] = build_model(args)
+        buffers = ringcomm.flat_buffers(models[name].parameters(), world_size=args.world_size,
+                                        bucket_bytes=int(args.bucket_mb * 2**20),
+                                        first_bucket_bytes=int(args.first_bucket_mb * 2**20),
+                                        allocate=ringcomm.transport_allocator(group))
+        schedulers[name] = ringcomm.BucketScheduler(buffers, group, mode=args.mode, overlap=overlap)
+        schedulers[name].register_hooks(models[name].named_parameters())
+    ddp = torch.nn.parallel.DistributedDataParallel(build_model(args))
+    batch = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(rank))
+    times: dict[str, list[float]] = {name: [] for name in (*models, "gloo DDP")}
+    reports: dict[str, list] = {name: [] for name in models}
+    for step in range(args.warmup + args.steps):
+        for name in times:  # interleaved, so that drift hits every configuration alike
+            dist.barrier()
+            start = time.perf_counter()
+            if name == "gloo DDP":
+                ddp_step(ddp, batch)
+            else:
+                report = ringcomm_step(models[name], schedulers[name], batch)
+            elapsed = time.perf_counter() - start
+            if step >= args.warmup:
+                times[name].append(elapsed)
+                if name in reports:
+                    reports[name].append(report._asdict())
+    if rank == 0:
+        buckets = [len(b.layout.buckets) for b in schedulers["overlap on"].buffers]
+        results.put({"times": times, "reports": reports, "num_buckets": sum(buckets),
+                     "transport": group.transport.kind})
+    ringcomm.destroy_default_group()
+    group.close()
+    dist.destroy_process_group()
+
+
+def summarize(args: argparse.Namespace, out: dict) -> list[dict]:
+    """Medians over the timed steps (robust to a neighbour stealing the CPU for a step)."""
+    rows = []
+    for name, times in out["times"].items():
+        reports = out["reports"].get(name, [])
+        row = {"config": name, "step_ms": statistics.median(times) * 1e3, "comm_ms": None, "exposed_ms": None,
+               "hidden_fraction": None}
+        if reports:
+            row.update(comm_ms=statistics.median(r["comm_s"] for r in reports) * 1e3,
+                       exposed_ms=statistics.median(r["exposed_s"] for r in reports) * 1e3,
+                       hidden_fraction=statistics.median(r["hidden_fraction"] for r in reports))
+        rows.append(row)
+    return rows
+
+
+def _fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
+    width = spec.split(".")[0].lstrip(">")
+    return format("-", f">{width}") if value is None else format(value * scale, spec)
+
+
+def print_table(args: argparse.Namespace, out: dict, rows: list[dict]) -> None:
+    params = args.layers * (args.width * args.width + args.width)
+    print(f"overlap benchmark: {args.world_size} ranks, transport {out['transport']}, mode {args.mode}, "
+          f"MLP {args.layers}x{args.width} ({params * 4 / 2**20:.1f} MiB fp32 grads), batch {args.batch}/rank, "
+          f"{out['num_buckets']} buckets of {args.bucket_mb} MiB (first {args.first_bucket_mb} MiB), "
+          f"median of {args.steps} steps")
+    print(f"{'config':<12} {'step ms':>9} {'comm ms':>9} {'exposed ms':>11} {'hidden %':>9}")
+    for row in rows:
+        print(f"{row['config']:<12} {row['step_ms']:>9.2f} {_fmt(row['comm_ms'], '>9.2f')} "
+              f"{_fmt(row['exposed_ms'], '>11.2f')} {_fmt(row['hidden_fraction'], '>9.1f', 100)}")
+    on, off = rows[0], rows[1]
+    print(f"overlap on vs off: step {on['step_ms']:.2f} ms vs {off['step_ms']:.2f} ms "
+          f"({off['step_ms'] / on['step_ms']:.2f}x); {on['hidden_fraction'] * 100:.1f}% of communication hidden "
+          f"behind backward (overlap off: {off['hidden_fraction'] * 100:.1f}%)")
+
+
+def _wait_result(results, procs, deadline: float) -> dict:
+    """Rank 0's result; fails as soon as a rank dies without one, or at the deadline."""
+    import queue
+
+    while time.monotonic() < deadline:
+        try:
+            return results.get(timeout=0.5)
+        except queue.Empty:
+            dead = [(rank, proc.exitcode) for rank, proc in enumerate(procs) if proc.exitcode not in (None, 0)]
+            if dead:
+                for proc in procs:
+                    proc.kill()
+                raise RuntimeError(f"overlap benchmark: ranks (rank, exit code) {dead} died without a result")
+    for proc in procs:
+        proc.kill()
+    raise RuntimeError("overlap benchmark: no result within the deadline; killed the ranks")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="ringcomm-bench-") as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [ctx.Process(target=run_rank, args=(r, args, init_file, results)) for r in range(args.world_size)]
+        for proc in procs:
+            proc.start()
+        out = _wait_result(results, procs, deadline=time.monotonic() + 600)
+        for proc in procs:
+            proc.join(timeout=60)
+        if any(proc.exitcode != 0 for proc in procs):
+            raise RuntimeError(f"overlap benchmark: rank exit codes {[proc.exitcode for proc in procs]}")
+    rows = summarize(args, out)
+    print_table(args, out, rows)
+    summary = {"args": vars(args), "transport": out["transport"], "num_buckets": out["num_buckets"], "rows": rows}
+    if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2)
+    return summary
+
+
+if __name__ == "__main__":
+    main()
