@@ -84,8 +84,39 @@ def check_forced_overflow(rank: int, world_size: int, stage: int) -> list[float]
     return scales
 
 
+class WithUnused(nn.Module):
+    """`unused` never gets a gradient: its bucket slots must read as zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.unused = make_mlp(), nn.Linear(100, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def check_unused_params(rank: int, world_size: int, stage: int, accumulation: int) -> None:
+    torch.manual_seed(0)
+    model = WithUnused()
+    before = [p.detach().clone() for p in model.unused.parameters()]
+    cfg = config(stage, "bf16")
+    cfg["optimizer"]["params"]["weight_decay"] = 0.0  # Adam on a zero gradient then leaves it unchanged
+    cfg["gradient_accumulation_steps"] = accumulation
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, *_ = zero.initialize(model=model, config=cfg)
+    for step in range(2 * accumulation):
+        train_step(engine, rank, step)
+    after = engine.full_params_fp32()[-2:]  # unused.weight, unused.bias: registered last
+    for b, a in zip(before, after):
+        assert torch.equal(b.to(torch.bfloat16).float(), a), f"rank {rank} stage {stage}: unused parameter moved"
+    assert all(torch.isfinite(p).all() for p in engine.full_params_fp32()), f"rank {rank} stage {stage}"
+
+
 def accounting_worker(rank: int, world_size: int) -> list[list[float]]:
     for stage in (0, 1, 2, 3):
+        for accumulation in (1, 2):
+            check_unused_params(rank, world_size, stage, accumulation)
         for dtype_name in ("fp16", "bf16"):
             check_memory_and_wire(rank, world_size, stage, dtype_name, "ringcomm")
         check_memory_and_wire(rank, world_size, stage, "bf16", "torch")
