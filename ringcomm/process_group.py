@@ -23,8 +23,8 @@ STORE_PREFIX = "ringcomm-backend/"
 #   reduce_scatter, reduce_scatter_single(+_coalesced), barrier -> ringcomm transport.
 # Forwarded collectives (gather, scatter, reduce, all_to_all, allgather_coalesced,
 # and accelerated ones whose tensors ringcomm does not take) -> internal gloo, but
-# queued on the ringcomm group's comm thread, so that every collective of this
-# group completes in launch order.
+# run through the ringcomm group like its own calls (Group.run), so that every
+# collective of this group completes in launch order.
 # Point-to-point (send, recv, recv_anysource, batch_isend_irecv) -> gloo directly,
 # through the backend registered for "cpu" (never queued: a recv waiting on the
 # comm thread would stall the send its peer posts after it).

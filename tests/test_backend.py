@@ -190,6 +190,12 @@ def forwarded_worker(rank: int, world_size: int, init_method: str) -> None:
     ours, theirs = forwarded_calls(rank, world_size), forwarded_calls(rank, world_size, group=gloo)
     for index, (got, want) in enumerate(zip(ours, theirs)):
         assert all(torch.equal(g, w) for g, w in zip(got, want)), f"rank {rank}: forwarded call {index}: {got} != {want}"
+    members = [0, world_size - 1]  # a ringcomm subgroup (the default backend) of some ranks
+    sub = dist.new_group(members)
+    if rank in members:
+        tensor = torch.full((3,), float(rank))
+        dist.all_reduce(tensor, group=sub)
+        assert isinstance(sub, ProcessGroupRingcomm) and torch.all(tensor == world_size - 1), f"rank {rank}: {tensor}"
     objects = [None] * world_size
     dist.all_gather_object(objects, {"rank": rank})
     assert objects == [{"rank": r} for r in range(world_size)], f"rank {rank}: all_gather_object {objects}"
