@@ -5,14 +5,15 @@ from __future__ import annotations
 import torch
 
 from .group import Group, default_group
-from .ops import ReduceOp, dtype_code, to_reduce_op
+from .ops import DTYPE_CODES, ReduceOp, dtype_code, to_reduce_op
 from .work import Work
 
 
 def _check(op: str, name: str, tensor: object, group: Group) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(tensor).__name__} on rank {group.rank}")
-    dtype_code(tensor.dtype, where=f"{op} ({name} on rank {group.rank})")
+    if tensor.dtype not in DTYPE_CODES:
+        dtype_code(tensor.dtype, where=f"{op} ({name} on rank {group.rank})")
     if not tensor.is_contiguous():
         raise ValueError(f"{op}: {name} must be contiguous (shape {tuple(tensor.shape)}, "
                          f"stride {tensor.stride()}) on rank {group.rank}")
@@ -34,7 +35,7 @@ def all_reduce(tensor: torch.Tensor, op: object = ReduceOp.SUM, group: Group | N
     """`tensor` (or `output`, when given, leaving `tensor` unchanged) becomes the
     reduction of `tensor` over all ranks."""
     group = group or default_group()
-    redop = to_reduce_op(op, where=f"all_reduce on rank {group.rank}")
+    redop = op if type(op) is ReduceOp else to_reduce_op(op, where=f"all_reduce on rank {group.rank}")
     flat = _check("all_reduce", "tensor", tensor, group)
     out = flat
     if output is not None:
@@ -51,7 +52,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: object = Reduc
     """torch's reduce_scatter_tensor: input holds world_size chunks of output.numel()
     elements; rank r's output becomes chunk r reduced over all ranks."""
     group = group or default_group()
-    redop = to_reduce_op(op, where=f"reduce_scatter on rank {group.rank}")
+    redop = op if type(op) is ReduceOp else to_reduce_op(op, where=f"reduce_scatter on rank {group.rank}")
     out = _check("reduce_scatter", "output", output, group)
     inp = _check("reduce_scatter", "input", input, group)
     _check_pair("reduce_scatter", output, input, group)

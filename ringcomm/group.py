@@ -45,21 +45,27 @@ class Group:
 
     def run(self, op: str, fn: Callable[[], None], async_op: bool) -> Work | None:
         """Runs a collective: inline when nothing is queued and the caller waits,
-        else on the group's comm thread after everything launched before it."""
+        else on the group's comm thread after everything launched before it.
+        One thread launches a group's collectives (as with NCCL communicators)."""
+        if not async_op and self._last is None:
+            fn()
+            return None
         with self._lock:
-            idle = self._last is None or self._last.done()
-            if idle and not async_op:
-                fn()
-                return None
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ringcomm-r{self.rank}")
             future = self._executor.submit(fn)
             self._last = future
+        future.add_done_callback(self._forget)
         work = Work(future, op, self.rank)
         if not async_op:
             work.wait()
             return None
         return work
+
+    def _forget(self, future: concurrent.futures.Future) -> None:
+        with self._lock:
+            if self._last is future:
+                self._last = None
 
     def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Collective: a 1-D tensor that this group's collectives can use without

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from .. import _C
 from .process import pid_alive
-from ..ops import ReduceOp, dtype_code
+from ..ops import DTYPE_CODES, ReduceOp
 
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "ringcomm-"
@@ -101,19 +101,19 @@ class ShmTransport:
         return tensor.is_cpu
 
     def all_reduce(self, input: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> None:
-        code = dtype_code(input.dtype, where="all_reduce")
+        code = DTYPE_CODES[input.dtype]
         self._comm.all_reduce(input.data_ptr(), output.data_ptr(), input.numel(), code, int(op), self.timeout_s)
 
     def reduce_scatter(self, input: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> None:
-        code = dtype_code(input.dtype, where="reduce_scatter")
+        code = DTYPE_CODES[input.dtype]
         self._comm.reduce_scatter(input.data_ptr(), output.data_ptr(), output.numel(), code, int(op), self.timeout_s)
 
     def all_gather(self, input: torch.Tensor, output: torch.Tensor) -> None:
-        code = dtype_code(input.dtype, where="all_gather")
+        code = DTYPE_CODES[input.dtype]
         self._comm.all_gather(input.data_ptr(), output.data_ptr(), input.numel(), code, self.timeout_s)
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
-        code = dtype_code(tensor.dtype, where="broadcast")
+        code = DTYPE_CODES[tensor.dtype]
         self._comm.broadcast(tensor.data_ptr(), tensor.numel(), code, root, self.timeout_s)
 
     def barrier(self) -> None:
