@@ -115,7 +115,9 @@ def report(results: dict[tuple[str, str], float], args: argparse.Namespace, worl
         gloo, ours = results[(name, "gloo")] * 1e3, results[(name, "ringcomm")] * 1e3
         rows.append({"wrapper": name, "gloo_ms": gloo, "ringcomm_ms": ours, "ratio": gloo / ours})
         print(f"{name:<8} {gloo:>9.1f} {ours:>12.1f} {gloo / ours:>13.2f}x")
-    print("ratio > 1: the step is that many times faster on ringcomm than on gloo (same model, data, ranks)")
+    ratios = ", ".join(f"{row['wrapper']} {row['ratio']:.2f}x" for row in rows)
+    print(f"note: step time gloo / ringcomm: {ratios} (> 1: faster on ringcomm; same model, data and ranks, "
+          f"steps of both backends interleaved)")
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as file:
         json.dump({"world_size": world_size, "num_params": num_params, "args": vars(args), "rows": rows}, file, indent=2)
