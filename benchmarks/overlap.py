@@ -28,6 +28,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--first-bucket-mb", type=float, default=1.0)
     parser.add_argument("--mode", default="reduce_scatter", choices=("reduce_scatter", "all_reduce"))
     parser.add_argument("--transport", default="auto", choices=("auto", "shm", "torch_dist"))
+    parser.add_argument("--spin-before-yield", type=int, default=None,
+                        help="shm: spins before a waiting rank yields its core (default: the transport's)")
     parser.add_argument("--steps", type=int, default=12, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--json", default="bench-results/overlap.json")
@@ -64,7 +66,8 @@ def run_rank(rank: int, args: argparse.Namespace, init_file: str, results) -> No
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=args.world_size,
                             timeout=timedelta(seconds=120))
-    group = ringcomm.new_group(transport=args.transport, timeout=120)
+    shm = None if args.spin_before_yield is None else ringcomm.ShmOptions(spin_before_yield=args.spin_before_yield)
+    group = ringcomm.new_group(transport=args.transport, timeout=120, shm=shm)
     models, schedulers = {}, {}
     for name, overlap in (("overlap on", True), ("overlap off", False)):
         models[name] = build_model(args)

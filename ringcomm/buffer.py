@@ -141,11 +141,15 @@ def flat_buffers(params: Iterable[torch.nn.Parameter], *, world_size: int, bucke
 
 
 def transport_allocator(group: object) -> Allocate | None:
-    """The transport's `allocate(numel, dtype)` hook (shared memory for shm),
-    when it has one; None means plain torch memory."""
-    transport = getattr(group, "transport", None)
-    allocate = getattr(transport, "allocate", None)
-    return allocate if callable(allocate) else None
+    """The group's allocator for buffers its collectives use without staging
+    copies (shared memory on shm): `group.allocate`, else the transport's
+    `allocate(numel, dtype)` hook; None means plain torch memory. Both are
+    collective: every rank builds its buffers in the same order."""
+    for owner in (group, getattr(group, "transport", None)):
+        allocate = getattr(owner, "allocate", None)
+        if callable(allocate):
+            return allocate
+    return None
 
 
 def _check_params(params: list[torch.nn.Parameter], views_for: Sequence[str]) -> None:
