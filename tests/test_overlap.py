@@ -150,7 +150,11 @@ def _accumulation_and_reuse(rank: int, group: ringcomm.Group) -> None:
     scheduler = _scheduler(model, group, 512, mode="all_reduce")
     for step in range(4):
         if step == 1:
+            observed = scheduler.observed_order()
+            assert sorted(observed) == [(0, i) for i in range(6)], f"rank {rank}: observed {observed}"
             scheduler.rebuild_buckets()  # the only re-allocation, right after the first step
+            if rank == 0:
+                assert scheduler.buffers[0].layout.order == tuple(i for _, i in observed), f"rank {rank}"
             grads, flats = [p.grad for p in model.parameters()], [b.grad for b in scheduler.buffers]
             pointers = [g.data_ptr() for g in grads]
         scheduler.zero_grad()
