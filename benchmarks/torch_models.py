@@ -120,7 +120,8 @@ def report(results: dict[tuple[str, str], float], args: argparse.Namespace, worl
           f"steps of both backends interleaved)")
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as file:
-        json.dump({"world_size": world_size, "num_params": num_params, "args": vars(args), "rows": rows}, file, indent=2)
+        record = {"world_size": world_size, "num_params": num_params, "args": vars(args), "rows": rows}
+        json.dump(record, file, indent=2)
     print(f"wrote {args.json}")
 
 

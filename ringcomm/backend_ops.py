@@ -92,7 +92,8 @@ def check_root(op: str, root: int, rank: int, world_size: int) -> None:
 
 def check_list(op: str, tensors: Sequence[torch.Tensor], rank: int, world_size: int) -> None:
     if len(tensors) != world_size:
-        raise ValueError(f"{op}: the tensor list has {len(tensors)} entries != world_size ({world_size}) on rank {rank}")
+        raise ValueError(f"{op}: the tensor list has {len(tensors)} entries != world_size ({world_size}) "
+                         f"on rank {rank}")
 
 
 def check_pairs(op: str, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], rank: int, world_size: int,

@@ -34,7 +34,8 @@ def wait_forwarded(work: dist.Work, op: str, rank: int, timeout_s: float) -> Non
     try:
         work.wait(timedelta(seconds=timeout_s))
     except Exception as err:  # gloo raises RuntimeError or DistBackendError
-        raise RuntimeError(f"{op} (forwarded to gloo): rank {rank} failed or timed out after {timeout_s} s: {err}") from err
+        raise RuntimeError(f"{op} (forwarded to gloo): rank {rank} failed or timed out after {timeout_s} s: "
+                           f"{err}") from err
 
 
 def accelerated_redop(opts: object) -> ReduceOp | None:

@@ -168,7 +168,8 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         return self._forward("reduce", tensors, lambda b: b.reduce(tensors, opts), opts)
 
     def alltoall(self, outputs, inputs, opts=None) -> dist.Work:
-        return self._forward("alltoall", list(outputs) + list(inputs), lambda b: b.alltoall(outputs, inputs, opts), opts)
+        tensors = list(outputs) + list(inputs)
+        return self._forward("alltoall", tensors, lambda b: b.alltoall(outputs, inputs, opts), opts)
 
     def all_to_all_single(self, output, input, output_splits, input_splits, opts=None) -> dist.Work:
         return self._forward("all_to_all_single", [output, input],

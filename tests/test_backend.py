@@ -39,7 +39,8 @@ def reinit(rank: int, world_size: int, init_method: str, backend: str = "ringcom
 
 def check_transport(rank: int) -> None:
     kind = dist.group.WORLD._group.transport.kind
-    assert kind == os.environ["RINGCOMM_TRANSPORT"], f"rank {rank}: transport {kind}, asked for {os.environ['RINGCOMM_TRANSPORT']}"
+    wanted = os.environ["RINGCOMM_TRANSPORT"]
+    assert kind == wanted, f"rank {rank}: transport {kind}, asked for {wanted}"
 
 
 def rand(seed: int, rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -189,7 +190,8 @@ def forwarded_worker(rank: int, world_size: int, init_method: str) -> None:
     gloo = dist.new_group(backend="gloo")
     ours, theirs = forwarded_calls(rank, world_size), forwarded_calls(rank, world_size, group=gloo)
     for index, (got, want) in enumerate(zip(ours, theirs)):
-        assert all(torch.equal(g, w) for g, w in zip(got, want)), f"rank {rank}: forwarded call {index}: {got} != {want}"
+        same = all(torch.equal(g, w) for g, w in zip(got, want))
+        assert same, f"rank {rank}: forwarded call {index}: {got} != {want}"
     members = [0, world_size - 1]  # a ringcomm subgroup (the default backend) of some ranks
     sub = dist.new_group(members)
     if rank in members:
@@ -295,7 +297,8 @@ dist.init_process_group("ringcomm")
 rank, world_size = dist.get_rank(), dist.get_world_size()
 t = torch.full((4,), float(rank + 1)); dist.all_reduce(t)
 out = torch.empty(world_size * 2); dist.all_gather_into_tensor(out, torch.full((2,), float(rank)))
-assert torch.all(t == world_size * (world_size + 1) / 2) and out.tolist() == [float(r) for r in range(world_size) for _ in (0, 1)]
+assert torch.all(t == world_size * (world_size + 1) / 2), t
+assert out.tolist() == [float(r) for r in range(world_size) for _ in (0, 1)], out
 print(f"OK rank {rank} transport {dist.group.WORLD._group.transport.kind}")
 dist.destroy_process_group()
 """
