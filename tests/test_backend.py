@@ -271,24 +271,28 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def init_method_worker(rank: int, world_size: int, init_method: str) -> None:
-    if init_method.startswith("env://"):
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=init_method.rsplit(":", 1)[1], RANK=str(rank),
-                          WORLD_SIZE=str(world_size))
-        init_method = "env://"
-    reinit(rank, world_size, init_method)
+def init_method_worker(rank: int, world_size: int, scheme: str, port: int) -> None:
+    dist.barrier()  # every rank has finished connecting the harness's gloo group before any leaves it
+    dist.destroy_process_group()
+    kwargs = {"rank": rank, "world_size": world_size, "timeout": timedelta(seconds=60)}
+    if scheme == "env":
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+        dist.init_process_group("ringcomm", init_method="env://", **kwargs)
+    elif scheme == "tcp":
+        dist.init_process_group("ringcomm", init_method=f"tcp://127.0.0.1:{port}", **kwargs)
+    else:
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0, timeout=timedelta(seconds=60))
+        dist.init_process_group("ringcomm", store=store, **kwargs)
     tensor = torch.full((5,), float(rank + 1))
     dist.all_reduce(tensor)
     want = world_size * (world_size + 1) / 2
-    assert torch.all(tensor == want), f"rank {rank}: {init_method}: all_reduce {tensor} != {want}"
+    assert torch.all(tensor == want), f"rank {rank}: {scheme}: all_reduce {tensor} != {want}"
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("scheme", ["env", "tcp"])
+@pytest.mark.parametrize("scheme", ["env", "tcp", "store"])
 def test_init_methods(scheme: str) -> None:
-    port = free_port()
-    init_method = f"env://127.0.0.1:{port}" if scheme == "env" else f"tcp://127.0.0.1:{port}"
-    run_ranks(init_method_worker, 2, init_method, timeout=50)
+    run_ranks(init_method_worker, 2, scheme, free_port(), timeout=50)
 
 
 TORCHRUN_SCRIPT = """
