@@ -13,7 +13,7 @@ import torch
 from .work import Work
 
 # start(async_op) calls the collective; with async_op=True it returns its Work.
-StartCollective = Callable[[bool], "Work | None"]
+StartCollective = Callable[[bool], Work | None]
 
 
 class OverlapReport(NamedTuple):

@@ -190,7 +190,7 @@ class BucketScheduler:
         did not); idempotent; a no-op under no_sync(). Returns the step's report."""
         if not self._sync_enabled or not self._active:
             return self.report
-        backward_end_s, reference = time.perf_counter(), self._cuda_mark()
+        backward_end_s, backward_end = time.perf_counter(), self._cuda_mark()
         with self._lock:
             unused = [slot for slot in self._registration if slot not in self._marked]
             if unused and not self.find_unused_parameters:
@@ -207,7 +207,7 @@ class BucketScheduler:
             assert self._next_launch == len(self._launch_order), "every bucket is complete at finish()"
             self._wait_all()
             wait_s = time.perf_counter() - backward_end_s
-            self._set_report(backward_end_s, reference, wait_s)
+            self._set_report(backward_end_s, backward_end, wait_s)
             self._last_observed = self._observed
             self._reset_step()
         return self.report
@@ -216,22 +216,23 @@ class BucketScheduler:
         for launch in self._launches:
             launch.wait(self.timeout_s)
 
-    def _cuda_mark(self) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
-        """Events (first launch, backward end) on the compute stream, on CUDA."""
-        if not any(isinstance(launch, StreamLaunch) for launch in self._launches):
+    def _cuda_mark(self) -> torch.cuda.Event | None:
+        """On CUDA, an event on the compute stream where backward ended."""
+        if not self.buffers or self.buffers[0].device.type != "cuda":
             return None
         end = torch.cuda.Event(enable_timing=True)
         end.record(torch.cuda.current_stream())
-        return self._launches[0].start_event, end
+        return end
 
-    def _set_report(self, backward_end_s: float, reference: tuple | None, wait_s: float) -> None:
+    def _set_report(self, backward_end_s: float, backward_end: torch.cuda.Event | None, wait_s: float) -> None:
         launches = self._launches
-        if reference is None:
+        if backward_end is None:
             self._report = overlap_report([l.interval() for l in launches], backward_end_s, wait_s)  # type: ignore[union-attr]
-            self._lazy_report = None
+        elif not launches:
+            self._report = OverlapReport(0, 0.0, 0.0, 1.0, wait_s)
         else:  # CUDA: computed when read, so that finish() does not synchronize the host
             self._report = None
-            self._lazy_report = lambda: stream_report(launches, reference[0], reference[1], wait_s)  # type: ignore[arg-type]
+            self._lazy_report = lambda: stream_report(launches, launches[0].start_event, backward_end, wait_s)  # type: ignore[union-attr]
 
     @property
     def report(self) -> OverlapReport:

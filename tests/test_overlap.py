@@ -2,11 +2,9 @@
 of the coalesced collectives against a closed form."""
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
