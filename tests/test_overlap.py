@@ -130,6 +130,13 @@ def _features(rank: int, world_size: int) -> None:
 
 def _overlap_off_and_misuse(rank: int, group: ringcomm.Group) -> None:
     model = _build("mlp", torch.float32)
+    scheduler = _scheduler(model, group, 256)
+    _backward(model, "mlp", rank, 0, torch.float32)
+    num_buckets = len(scheduler.buffers[0].layout.buckets)
+    assert num_buckets > 1 and len(scheduler._launches) == num_buckets, f"rank {rank}: not launched during backward"
+    scheduler.finish()
+    scheduler.remove_hooks()
+    model = _build("mlp", torch.float32)
     scheduler = _scheduler(model, group, 256, overlap=False)
     assert ringcomm.transport_allocator(group) is not None or group.transport.kind != "shm", f"rank {rank}"
     _backward(model, "mlp", rank, 0, torch.float32)
