@@ -36,7 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--bucket", type=float, default=2e6, help="reduce/allgather bucket size (elements)")
-    p.add_argument("--frameworks", default="zero,zero-torch,deepspeed,ddp,fsdp2")
+    p.add_argument("--frameworks", default="zero,zero-torch,deepspeed,ddp,fsdp2",
+                   help="also: zero-inline (overlap_comm false)")
     p.add_argument("--json", default="bench-results/zero_step.json")
     return p.parse_args(argv)
 
@@ -92,8 +93,9 @@ def engine_step(args, stage: int, framework: str):
     else:
         import zero
         backend = "torch" if framework == "zero-torch" else "ringcomm"
-        engine, *_ = zero.initialize(model=model, optimizer=optimizer, config=ds_config(args, stage),
-                                     comm_backend=backend)
+        config = ds_config(args, stage)
+        config["zero_optimization"]["overlap_comm"] = framework != "zero-inline"
+        engine, *_ = zero.initialize(model=model, optimizer=optimizer, config=config, comm_backend=backend)
 
     def step(i: int) -> None:
         loss = engine(batch(args, i, torch.bfloat16)).float().pow(2).mean()

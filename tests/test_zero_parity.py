@@ -36,7 +36,7 @@ def engine_train(rank: int, world_size: int, kind: str, stage: int, dtype_name: 
             loss = loss_fn(kind, engine(x[lo:lo + MICRO]), y[lo:lo + MICRO])
             engine.backward(loss)
             engine.step()
-            total += float(loss)
+            total += float(loss.detach())
         mean = torch.tensor([total / accumulation])
         dist.all_reduce(mean)
         losses.append(float(mean) / world_size)

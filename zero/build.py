@@ -14,7 +14,8 @@ from . import optim
 from .comm import make_comm
 from .engine import EngineParts, ZeroEngine
 from .gather import UnitGatherer
-from .param_group import ParamGroup, build_units
+from .param_group import ParamGroup
+from .unit import build_units
 from .partition import UnitPlan, bucket_units, module_units
 from .precision import make_scaler
 
@@ -123,6 +124,7 @@ def build_engine(model: nn.Module, optimizer=None, model_parameters=None, lr_sch
     params = trainable_params(model)
     optimizer = make_optimizer(optimizer, model_parameters, params, cfg)
     comm = make_comm(comm_backend or cfg.comm_backend or "ringcomm")
+    comm.overlap = cfg.zero.overlap_comm
     plans, owners = plan_units(model, params, cfg, world_size)
     units = build_units(params, plans, rank, comm)
     group = ParamGroup(units, cfg.zero.policy, comm, cfg.gradient_accumulation_steps)

@@ -33,6 +33,7 @@ class Comm:
         self.rank = rank
         self.world_size = world_size
         self.sent_nbytes = 0
+        self.overlap = True  # zero_optimization.overlap_comm: False runs every collective inline
 
     def _count(self, kind: str, tensor: torch.Tensor) -> None:
         self.sent_nbytes += wire_numel(kind, tensor.numel(), self.world_size) * tensor.element_size()
@@ -41,13 +42,9 @@ class Comm:
         """Sum in place."""
         if self.world_size == 1:
             return _Done()
+        async_op = async_op and self.overlap
         self._count("all_reduce", tensor)
         return self._all_reduce(tensor, async_op)
-
-    def all_reduce_max(self, tensor: torch.Tensor) -> None:
-        if self.world_size > 1:
-            self._count("all_reduce", tensor)
-            self._all_reduce_max(tensor)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Handle:
         """Sum; output (maybe a view of input's own chunk) gets chunk `rank`."""
@@ -55,6 +52,7 @@ class Comm:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return _Done()
+        async_op = async_op and self.overlap
         self._count("reduce_scatter", input)
         return self._reduce_scatter(output, input, async_op)
 
@@ -63,6 +61,7 @@ class Comm:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return _Done()
+        async_op = async_op and self.overlap
         self._count("all_gather", output)
         return self._all_gather(output, input, async_op)
 
@@ -84,10 +83,6 @@ class RingComm(Comm):
     def _all_reduce(self, tensor, async_op):
         import ringcomm
         return ringcomm.all_reduce(tensor, ringcomm.ReduceOp.SUM, self.group, async_op=async_op) or _Done()
-
-    def _all_reduce_max(self, tensor):
-        import ringcomm
-        ringcomm.all_reduce(tensor, ringcomm.ReduceOp.MAX, self.group)
 
     def _reduce_scatter(self, output, input, async_op):
         import ringcomm
@@ -111,18 +106,19 @@ class TorchComm(Comm):
     def _all_reduce(self, tensor, async_op):
         return dist.all_reduce(tensor, async_op=async_op) or _Done()
 
-    def _all_reduce_max(self, tensor):
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-
     def _reduce_scatter(self, output, input, async_op):
+        target = output
         if _aliases(output, input):
-            output = torch.empty_like(output)  # gloo wants distinct buffers
-            work = dist.reduce_scatter_tensor(output, input)
-            _own_chunk(input, self.rank, output.numel()).copy_(output)
-            return _Done()
+            output = torch.empty_like(output)  # gloo wants distinct buffers: reduce, then copy back
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
-            return dist.reduce_scatter_tensor(output, input, async_op=async_op) or _Done()
+            work = dist.reduce_scatter_tensor(output, input, async_op=async_op)
+        if output is target:
+            return work or _Done()
+        if work is not None:
+            work.wait()
+        target.copy_(output)
+        return _Done()
 
     def _all_gather(self, output, input, async_op):
         if _aliases(output, input):
@@ -137,10 +133,6 @@ class TorchComm(Comm):
 
 def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-def _own_chunk(flat: torch.Tensor, rank: int, numel: int) -> torch.Tensor:
-    return flat.view(-1)[rank * numel:(rank + 1) * numel]
 
 
 def make_comm(backend: str) -> Comm:

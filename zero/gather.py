@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from .comm import Comm
-from .param_group import Unit
+from .unit import Unit
 
 
 class UnitGatherer:
