@@ -8,6 +8,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions
 
 from . import backend_ops
 from .backend_work import (accelerated_redop, accelerates, is_async, on_cuda, torch_work, use_comm_thread,
@@ -100,7 +101,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         return self._run("broadcast", backend_ops.broadcast(self._transport, tensors, opts.rootRank), opts, tensors)
 
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None) -> dist.Work:
-        opts = opts or dist.AllgatherOptions()
+        opts = opts or AllgatherOptions()
         flat = [t for outputs in output_lists for t in outputs] + list(inputs)
         if len(inputs) != 1 or not self._accelerates(flat) or not backend_ops.equal_numels(flat):
             return self._forward("allgather", flat, lambda b: b.allgather(output_lists, inputs, opts), opts)
@@ -113,7 +114,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                     opts=None) -> dist.Work:
-        opts = opts or dist.AllgatherOptions()
+        opts = opts or AllgatherOptions()
         if not self._accelerates_pairs(outputs, inputs):
             return self._forward("all_gather_single", outputs + inputs,
                                  lambda b: backend_ops.forward_all_gather_single(b, outputs, inputs, opts), opts)

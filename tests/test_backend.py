@@ -70,6 +70,32 @@ def gloo_reference(call: str, gloo: dist.ProcessGroup, op: str, world_size: int,
         tensors[0].div_(world_size)
 
 
+# ---- one process: names, argument errors, forwarding (no spawn) ----
+def test_single_rank_group_checks_and_forwards() -> None:
+    pg = ProcessGroupRingcomm(dist.HashStore(), 0, 1, timedelta(seconds=10))
+    try:
+        assert pg.name() == "ringcomm" and pg.rank() == 0 and pg.size() == 1
+        pg._set_group_name("group-7")
+        pg._set_group_desc("desc-7")
+        assert (pg.group_name, pg.group_desc) == ("group-7", "desc-7")
+        with pytest.raises(ValueError, match=r"all_gather_single: pair 0: output.numel\(\)=4, input.numel\(\)=3.*rank 0"):
+            pg.all_gather_single(torch.empty(4), torch.ones(3))
+        with pytest.raises(ValueError, match="reduce_scatter_single.*rank 0"):
+            pg.reduce_scatter_single(torch.empty(2), torch.ones(3))
+        options = dist.BroadcastOptions()
+        options.rootRank = 3
+        with pytest.raises(ValueError, match=r"broadcast: root rank 3 outside the group \(world_size 1\) on rank 0"):
+            pg.broadcast([torch.ones(2)], options)
+        odd = torch.arange(6, dtype=torch.int8)  # not a ringcomm dtype: gloo does it
+        work = pg.allreduce([odd])
+        assert work.wait() and torch.equal(odd, torch.arange(6, dtype=torch.int8))
+        assert torch.equal(work.get_future().value()[0], odd)
+        tensor = torch.ones(5)
+        assert pg.allreduce([tensor]).get_future().wait()[0] is tensor
+    finally:
+        pg.shutdown()
+
+
 # ---- reduce calls (all_reduce, reduce_scatter in four spellings) vs gloo ----
 def reductions_worker(rank: int, world_size: int, init_method: str) -> int:
     reinit(rank, world_size, init_method)
