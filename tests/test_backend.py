@@ -78,7 +78,8 @@ def test_single_rank_group_checks_and_forwards() -> None:
         pg._set_group_name("group-7")
         pg._set_group_desc("desc-7")
         assert (pg.group_name, pg.group_desc) == ("group-7", "desc-7")
-        with pytest.raises(ValueError, match=r"all_gather_single: pair 0: output.numel\(\)=4, input.numel\(\)=3.*rank 0"):
+        message = r"all_gather_single: pair 0: output.numel\(\)=4, input.numel\(\)=3.*rank 0"
+        with pytest.raises(ValueError, match=message):
             pg.all_gather_single(torch.empty(4), torch.ones(3))
         with pytest.raises(ValueError, match="reduce_scatter_single.*rank 0"):
             pg.reduce_scatter_single(torch.empty(2), torch.ones(3))
