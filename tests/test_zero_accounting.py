@@ -67,6 +67,8 @@ def check_forced_overflow(rank: int, world_size: int, stage: int) -> list[float]
         lambda g: g.index_put((torch.tensor([3]), torch.tensor([5])), torch.tensor(float("inf"), dtype=g.dtype))
         if inject["on"] and rank == world_size - 1 else g)
     cfg = config(stage, "fp16", initial_scale_power=4, loss_scale_window=3, hysteresis=2, min_loss_scale=1)
+    cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 9e-4,
+                                                       "warmup_num_steps": 8, "warmup_type": "linear"}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         engine, *_ = zero.initialize(model=model, config=cfg)
@@ -81,6 +83,8 @@ def check_forced_overflow(rank: int, world_size: int, stage: int) -> list[float]
         scales.append(engine.loss_scale)
     assert scales == expected, f"rank {rank} stage {stage}: scales {scales} != {expected}"
     assert engine.skipped_steps == pattern.count("x") and engine.global_steps == len(pattern)
+    clean = pattern.count(".")  # the scheduler steps only with the optimizer
+    assert engine.get_lr()[0] == pytest.approx(1e-4 + 8e-4 * clean / 8), f"rank {rank} stage {stage}: {engine.get_lr()}"
     return scales
 
 

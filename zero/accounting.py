@@ -14,7 +14,7 @@ class MemoryReport:
     params_nbytes: int
     grads_nbytes: int
     optimizer_nbytes: int  # fp32 master weights (when not the parameters) + optimizer states
-    comm_buffer_nbytes: int  # peak of transient gradient buckets and gathered stage 3 units
+    comm_buffer_nbytes: int  # peaks of transient gradient buckets + of gathered stage 3 units
 
     @property
     def model_state_nbytes(self) -> int:
@@ -39,7 +39,7 @@ class _Storages:
         return total
 
 
-def memory_report(group: ParamGroup, optimizer: torch.optim.Optimizer) -> MemoryReport:
+def memory_report(group: ParamGroup, optimizer: torch.optim.Optimizer, gathered_nbytes: int = 0) -> MemoryReport:
     """Measured between steps (stage 3 units resharded, no transient buckets)."""
     storages = _Storages()
     params = storages.nbytes(u.full if u.plan.resident else u.shard for u in group.units)
@@ -48,6 +48,4 @@ def memory_report(group: ParamGroup, optimizer: torch.optim.Optimizer) -> Memory
     states = [t for state in optimizer.state.values() for t in state.values()
               if isinstance(t, torch.Tensor) and t.dim() > 0]
     optimizer_nbytes = storages.nbytes(u.master for u in group.units) + storages.nbytes(states)
-    gathered = max((u.plan.padded_numel * u.shard.element_size() for u in group.units if not u.plan.resident),
-                   default=0)
-    return MemoryReport(params, grads, optimizer_nbytes, group.peak_transient_nbytes + 2 * gathered)
+    return MemoryReport(params, grads, optimizer_nbytes, group.peak_transient_nbytes + gathered_nbytes)

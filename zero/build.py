@@ -132,7 +132,9 @@ def build_engine(model: nn.Module, optimizer=None, model_parameters=None, lr_sch
     group.register_grad_hooks()
     gatherer = None
     if cfg.zero.policy.shard_params:
-        gatherer = UnitGatherer({m: u for m, u in zip(owners, units) if m is not None}, comm)
+        gatherer = UnitGatherer({m: u for m, u in zip(owners, units) if m is not None}, comm,
+                                prefetch_numel=cfg.zero.prefetch_bucket_size,
+                                max_live_numel=cfg.zero.max_live_parameters)
         gatherer.register()
     scheduler = make_scheduler(lr_scheduler, optimizer, cfg)
     scaler = make_scaler(dtype, cfg.scaler)

@@ -138,7 +138,8 @@ class ZeroEngine:
     # ---- accounting ------------------------------------------------------------------
     def memory_report(self) -> MemoryReport:
         """Model-state bytes this rank holds, communication buffers apart."""
-        return memory_report(self.parts.group, self.optimizer)
+        gatherer = self.parts.gatherer
+        return memory_report(self.parts.group, self.optimizer, gatherer.peak_live_nbytes if gatherer else 0)
 
     def full_params_fp32(self) -> list[torch.Tensor]:
         """Every trainable parameter's fp32 master, whole (a collective)."""
