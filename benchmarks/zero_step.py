@@ -36,8 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--bucket", type=float, default=2e6, help="reduce/allgather bucket size (elements)")
-    p.add_argument("--frameworks", default="zero,zero-torch,deepspeed,ddp,fsdp2",
-                   help="also: zero-inline (overlap_comm false)")
+    p.add_argument("--frameworks", default="zero,zero-unfused,zero-torch,deepspeed,ddp,fsdp2",
+                   help="also: zero-inline (overlap_comm false), zero-unfused (per-tensor AdamW)")
     p.add_argument("--json", default="bench-results/zero_step.json")
     return p.parse_args(argv)
 
@@ -86,7 +86,9 @@ def batch(args, i: int, dtype):
 def engine_step(args, stage: int, framework: str):
     import torch
     model = make_model(args)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    # zero-unfused: the caller picks the per-tensor AdamW, so the engine does not
+    # switch the master shard to torch's fused kernel (what DeepSpeed runs here)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False if framework == "zero-unfused" else None)
     if framework == "deepspeed":
         import deepspeed
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(args, stage))

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from harness import run_ranks
-from zero_reference import DTYPES, MICRO, STEPS, engine_config, loss_fn, make_batch, make_model, reference_train
+from zero_reference import CLIP, DTYPES, MICRO, STEPS, engine_config, loss_fn, make_batch, make_model, reference_train
 
 import zero
 
@@ -27,7 +27,7 @@ def engine_train(rank: int, world_size: int, kind: str, stage: int, dtype_name: 
         warnings.simplefilter("ignore")
         engine, _, _, _ = zero.initialize(model=make_model(kind), comm_backend=backend,
                                           config=engine_config(stage, dtype_name, accumulation, world_size))
-    losses = []
+    losses, norms = [], []
     for step in range(STEPS):
         x, y = make_batch(kind, MICRO * accumulation * world_size, step)
         total = 0.0
@@ -37,10 +37,12 @@ def engine_train(rank: int, world_size: int, kind: str, stage: int, dtype_name: 
             engine.backward(loss)
             engine.step()
             total += float(loss.detach())
+        norms.append(engine.get_global_grad_norm())
         mean = torch.tensor([total / accumulation])
         dist.all_reduce(mean)
         losses.append(float(mean) / world_size)
     assert engine.global_steps == STEPS and engine.skipped_steps == 0, f"rank {rank}: {engine.skipped_steps=}"
+    assert max(norms) > CLIP, f"rank {rank} {kind}: clipping never acted (grad norms {norms})"
     return losses, engine.full_params_fp32(), engine
 
 

@@ -90,6 +90,12 @@ def test_invalid_values_name_the_key(bad: dict, key: str) -> None:
         cfg.parse(bad, FACTS)
 
 
+def test_comm_backend_config_key() -> None:
+    assert cfg.parse({"comm_backend": "torch"}, FACTS).comm_backend == "torch"
+    with pytest.raises(ValueError, match="comm_backend"):
+        cfg.parse({"comm_backend": "nccl2"}, FACTS)
+
+
 def test_unknown_keys_warn() -> None:
     with pytest.warns(UserWarning, match="'no_such_key'"):
         cfg.parse({"no_such_key": 1}, FACTS)
