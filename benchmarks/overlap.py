@@ -30,7 +30,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--transport", default="auto", choices=("auto", "shm", "torch_dist"))
     parser.add_argument("--spin-before-yield", type=int, default=None,
                         help="shm: spins before a waiting rank yields its core (default: the transport's)")
-    parser.add_argument("--steps", type=int, default=12, help="timed steps per configuration")
+    parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                        help="pin rank r (its compute and comm threads) to core r %% cores, so that a comm thread "
+                             "waiting for a peer takes time from its own rank only")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--json", default="bench-results/overlap.json")
     return parser.parse_args(argv)
@@ -64,43 +67,52 @@ def run_rank(rank: int, args: argparse.Namespace, init_file: str, results) -> No
     import ringcomm
 
     torch.set_num_threads(1)
+    if args.pin:
+        os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=args.world_size,
                             timeout=timedelta(seconds=120))
     shm = None if args.spin_before_yield is None else ringcomm.ShmOptions(spin_before_yield=args.spin_before_yield)
     group = ringcomm.new_group(transport=args.transport, timeout=120, shm=shm)
-    models, schedulers = {}, {}
+    steps = {}
     for name, overlap in (("overlap on", True), ("overlap off", False)):
-        models[name] = build_model(args)
-        buffers = ringcomm.flat_buffers(models[name].parameters(), world_size=args.world_size,
+        model = build_model(args)
+        buffers = ringcomm.flat_buffers(model.parameters(), world_size=args.world_size,
                                         bucket_bytes=int(args.bucket_mb * 2**20),
                                         first_bucket_bytes=int(args.first_bucket_mb * 2**20),
                                         allocate=ringcomm.transport_allocator(group))
-        schedulers[name] = ringcomm.BucketScheduler(buffers, group, mode=args.mode, overlap=overlap)
-        schedulers[name].register_hooks(models[name].named_parameters())
+        scheduler = ringcomm.BucketScheduler(buffers, group, mode=args.mode, overlap=overlap)
+        scheduler.register_hooks(model.named_parameters())
+        steps[name] = lambda batch, m=model, s=scheduler: ringcomm_step(m, s, batch)
     ddp = torch.nn.parallel.DistributedDataParallel(build_model(args))
-    batch = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(rank))
-    times: dict[str, list[float]] = {name: [] for name in (*models, "gloo DDP")}
-    reports: dict[str, list] = {name: [] for name in models}
+    steps["gloo DDP"] = lambda batch: ddp_step(ddp, batch)
+    out = time_steps(args, steps, torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(rank)))
+    if rank == 0:
+        out.update(num_buckets=sum(len(b.layout.buckets) for b in scheduler.buffers), transport=group.transport.kind)
+        results.put(out)
+    ringcomm.destroy_default_group()
+    group.close()
+    dist.destroy_process_group()
+
+
+def time_steps(args: argparse.Namespace, steps: dict, batch) -> dict:
+    """Runs the configurations interleaved, in alternating order, so that drift
+    and neighbours' load hit all alike; a barrier before each step."""
+    import torch.distributed as dist
+
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    reports: dict[str, list[dict]] = {name: [] for name in steps if name != "gloo DDP"}
+    names = list(steps)
     for step in range(args.warmup + args.steps):
-        for name in times:  # interleaved, so that drift hits every configuration alike
+        for name in names if step % 2 == 0 else [names[1], names[0], *names[2:]]:
             dist.barrier()
             start = time.perf_counter()
-            if name == "gloo DDP":
-                ddp_step(ddp, batch)
-            else:
-                report = ringcomm_step(models[name], schedulers[name], batch)
+            report = steps[name](batch)
             elapsed = time.perf_counter() - start
             if step >= args.warmup:
                 times[name].append(elapsed)
                 if name in reports:
                     reports[name].append(report._asdict())
-    if rank == 0:
-        buckets = [len(b.layout.buckets) for b in schedulers["overlap on"].buffers]
-        results.put({"times": times, "reports": reports, "num_buckets": sum(buckets),
-                     "transport": group.transport.kind})
-    ringcomm.destroy_default_group()
-    group.close()
-    dist.destroy_process_group()
+    return {"times": times, "reports": reports}
 
 
 def summarize(args: argparse.Namespace, out: dict) -> list[dict]:
@@ -109,9 +121,10 @@ def summarize(args: argparse.Namespace, out: dict) -> list[dict]:
     for name, times in out["times"].items():
         reports = out["reports"].get(name, [])
         row = {"config": name, "step_ms": statistics.median(times) * 1e3, "comm_ms": None, "exposed_ms": None,
-               "hidden_fraction": None}
+               "wait_ms": None, "hidden_fraction": None}
         if reports:
             row.update(comm_ms=statistics.median(r["comm_s"] for r in reports) * 1e3,
+                       wait_ms=statistics.median(r["wait_s"] for r in reports) * 1e3,
                        exposed_ms=statistics.median(r["exposed_s"] for r in reports) * 1e3,
                        hidden_fraction=statistics.median(r["hidden_fraction"] for r in reports))
         rows.append(row)
@@ -129,13 +142,14 @@ def print_table(args: argparse.Namespace, out: dict, rows: list[dict]) -> None:
           f"MLP {args.layers}x{args.width} ({params * 4 / 2**20:.1f} MiB fp32 grads), batch {args.batch}/rank, "
           f"{out['num_buckets']} buckets of {args.bucket_mb} MiB (first {args.first_bucket_mb} MiB), "
           f"median of {args.steps} steps")
-    print(f"{'config':<12} {'step ms':>9} {'comm ms':>9} {'exposed ms':>11} {'hidden %':>9}")
+    print(f"{'config':<12} {'step ms':>9} {'comm ms':>9} {'exposed ms':>11} {'finish ms':>10} {'hidden %':>9}")
     for row in rows:
         print(f"{row['config']:<12} {row['step_ms']:>9.2f} {_fmt(row['comm_ms'], '>9.2f')} "
-              f"{_fmt(row['exposed_ms'], '>11.2f')} {_fmt(row['hidden_fraction'], '>9.1f', 100)}")
+              f"{_fmt(row['exposed_ms'], '>11.2f')} {_fmt(row['wait_ms'], '>10.2f')} "
+              f"{_fmt(row['hidden_fraction'], '>9.1f', 100)}")
     on, off = rows[0], rows[1]
-    print(f"overlap on vs off: step {on['step_ms']:.2f} ms vs {off['step_ms']:.2f} ms "
-          f"({off['step_ms'] / on['step_ms']:.2f}x); {on['hidden_fraction'] * 100:.1f}% of communication hidden "
+    print(f"overlap on vs off: step {on['step_ms']:.2f} ms vs {off['step_ms']:.2f} ms; paired per-step speedup "
+          f"{out['speedup']:.2f}x (median of off/on); {on['hidden_fraction'] * 100:.1f}% of communication hidden "
           f"behind backward (overlap off: {off['hidden_fraction'] * 100:.1f}%)")
 
 
@@ -172,8 +186,11 @@ def main(argv: list[str] | None = None) -> dict:
         if any(proc.exitcode != 0 for proc in procs):
             raise RuntimeError(f"overlap benchmark: rank exit codes {[proc.exitcode for proc in procs]}")
     rows = summarize(args, out)
+    out["speedup"] = statistics.median(off / on for on, off in zip(out["times"]["overlap on"],
+                                                                     out["times"]["overlap off"]))
     print_table(args, out, rows)
-    summary = {"args": vars(args), "transport": out["transport"], "num_buckets": out["num_buckets"], "rows": rows}
+    summary = {"args": vars(args), "transport": out["transport"], "num_buckets": out["num_buckets"], "rows": rows,
+               "paired_speedup": out["speedup"]}
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:
