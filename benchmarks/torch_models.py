@@ -1,7 +1,7 @@
 """Step time of unmodified DDP and FSDP2 (fully_shard) on gloo vs on the
 "ringcomm" torch.distributed backend, in one run, same model and data.
 
-    python benchmarks/torch_models.py [--nproc 2] [--width 1024] [--layers 4] [--steps 10]
+    python benchmarks/torch_models.py [--nproc 2] [--width 1024] [--layers 4] [--steps 20]
     torchrun --nproc-per-node 2 benchmarks/torch_models.py   # the launcher's ranks
 
 Prints a table (median step time per wrapper and backend, and the ratio
@@ -30,7 +30,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=4, help="Linear layers (parameters: layers * width^2)")
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=32, help="rows per rank")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds any one collective may take")
     parser.add_argument("--json", default="bench-results/torch_models.json")
