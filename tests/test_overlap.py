@@ -217,3 +217,21 @@ def _coalesced(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_coalesced(world_size: int) -> None:
     run_ranks(_coalesced, world_size, timeout=120)
+
+
+def test_overlap_benchmark_smoke(tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "overlap.py"
+    out = tmp_path / "overlap.json"
+    args = ["--layers", "2", "--width", "32", "--batch", "4", "--steps", "2", "--warmup", "1", "--bucket-mb", "0.001",
+            "--first-bucket-mb", "0.001", "--json", str(out)]
+    proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "hidden behind backward" in proc.stdout, proc.stdout
+    summary = json.loads(out.read_text())
+    on, off, _ = summary["rows"]
+    assert summary["num_buckets"] > 1 and on["comm_ms"] > 0 and off["hidden_fraction"] == 0.0, summary
