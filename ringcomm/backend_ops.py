@@ -1,9 +1,10 @@
 """The bodies of the collectives the "ringcomm" backend accelerates: each builder
-checks nothing and returns a closure over flat views that runs the call on a
-transport (the process group has already checked the tensors)."""
+checks nothing and returns a closure that runs the call on a transport (the
+process group has already checked the tensors)."""
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -16,30 +17,26 @@ Body = Callable[[], None]
 
 
 def all_reduce(transport: Transport, tensors: Sequence[torch.Tensor], op: ReduceOp) -> Body:
-    flats = [t.view(-1) for t in tensors]
-
     def body() -> None:
-        for flat in flats:
-            transport.all_reduce(flat, flat, op)
+        for tensor in tensors:
+            with contiguous(tensor) as flat:
+                transport.all_reduce(flat, flat, op)
 
     return body
 
 
 def broadcast(transport: Transport, tensors: Sequence[torch.Tensor], root: int) -> Body:
-    flats = [t.view(-1) for t in tensors]
-
     def body() -> None:
-        for flat in flats:
-            transport.broadcast(flat, root)
+        for tensor in tensors:
+            with contiguous(tensor) as flat:
+                transport.broadcast(flat, root)
 
     return body
 
 
 def all_gather(transport: Transport, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> Body:
-    pairs = [(i.view(-1), o.view(-1)) for o, i in zip(outputs, inputs)]
-
     def body() -> None:
-        for input, output in pairs:
+        for output, input in zip(outputs, inputs):
             transport.all_gather(input, output)
 
     return body
@@ -47,13 +44,23 @@ def all_gather(transport: Transport, outputs: Sequence[torch.Tensor], inputs: Se
 
 def reduce_scatter(transport: Transport, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
                    op: ReduceOp) -> Body:
-    pairs = [(i.view(-1), o.view(-1)) for o, i in zip(outputs, inputs)]
-
     def body() -> None:
-        for input, output in pairs:
+        for output, input in zip(outputs, inputs):
             transport.reduce_scatter(input, output, op)
 
     return body
+
+
+@contextlib.contextmanager
+def contiguous(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The tensor itself when contiguous (transports read any shape as flat), else
+    a contiguous copy whose result is copied back: in-place calls on strided views."""
+    if tensor.is_contiguous():
+        yield tensor
+        return
+    staged = tensor.contiguous()
+    yield staged
+    tensor.copy_(staged)
 
 
 def all_gather_list(transport: Transport, outputs: Sequence[torch.Tensor], input: torch.Tensor) -> Body:
@@ -63,7 +70,7 @@ def all_gather_list(transport: Transport, outputs: Sequence[torch.Tensor], input
 
     def body() -> None:
         gathered = torch.empty(len(outputs) * numel, dtype=input.dtype)
-        transport.all_gather(input.view(-1), gathered)
+        transport.all_gather(input, gathered)
         for rank, output in enumerate(outputs):
             output.view(-1).copy_(gathered[rank * numel:(rank + 1) * numel])
 
@@ -75,7 +82,7 @@ def reduce_scatter_list(transport: Transport, output: torch.Tensor, inputs: Sequ
     """torch's reduce_scatter (a list of inputs): concatenate, then reduce-scatter."""
 
     def body() -> None:
-        transport.reduce_scatter(torch.cat([t.view(-1) for t in inputs]), output.view(-1), op)
+        transport.reduce_scatter(torch.cat([t.reshape(-1) for t in inputs]), output, op)
 
     return body
 

@@ -51,13 +51,14 @@ def on_cuda(tensors: Sequence[torch.Tensor]) -> bool:
     return any(t.device.type == "cuda" for t in tensors)
 
 
-def accelerates(tensors: Sequence[torch.Tensor], supports) -> bool:
-    """True when ringcomm's transport takes every tensor as it is: one device the
-    transport handles (CPU for shm), one supported dtype, contiguous."""
+def accelerates(tensors: Sequence[torch.Tensor], supports, *, strided: bool = False) -> bool:
+    """True when ringcomm's transport takes every tensor: on a device the transport
+    handles (CPU for shm), of one supported dtype, contiguous (strided: in-place
+    calls copy strided tensors through a contiguous buffer)."""
     if not tensors:
         return False
     dtype = tensors[0].dtype
-    return all(t.dtype == dtype and t.dtype in DTYPE_CODES and t.is_contiguous() and t.device.type == "cpu"
+    return all(t.dtype == dtype and t.dtype in DTYPE_CODES and (strided or t.is_contiguous()) and t.device.type == "cpu"
                and supports(t) for t in tensors)
 
 

@@ -82,20 +82,20 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         opts = opts or dist.AllreduceOptions()
         redop = accelerated_redop(opts)
-        if redop is None or not self._accelerates(tensors):
+        if redop is None or not self._accelerates(tensors, strided=True):
             return self._forward("allreduce", tensors, lambda b: b.allreduce(tensors, opts), opts)
         return self._run("allreduce", backend_ops.all_reduce(self._transport, tensors, redop), opts, tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         opts = opts or dist.AllreduceCoalescedOptions()
         redop = accelerated_redop(opts)
-        if redop is None or not self._accelerates(tensors):
+        if redop is None or not self._accelerates(tensors, strided=True):
             return self._forward("allreduce_coalesced", tensors, lambda b: b.allreduce_coalesced(tensors, opts), opts)
         return self._run("allreduce_coalesced", backend_ops.all_reduce(self._transport, tensors, redop), opts, tensors)
 
     def broadcast(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         opts = opts or dist.BroadcastOptions()
-        if not self._accelerates(tensors):
+        if not self._accelerates(tensors, strided=True):
             return self._forward("broadcast", tensors, lambda b: b.broadcast(tensors, opts), opts)
         backend_ops.check_root("broadcast", opts.rootRank, self._rank, self._world_size)
         return self._run("broadcast", backend_ops.broadcast(self._transport, tensors, opts.rootRank), opts, tensors)
@@ -201,8 +201,8 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     def _transport(self):
         return self._group.transport
 
-    def _accelerates(self, tensors: Sequence[torch.Tensor]) -> bool:
-        return accelerates(tensors, self._transport.supports)
+    def _accelerates(self, tensors: Sequence[torch.Tensor], *, strided: bool = False) -> bool:
+        return accelerates(tensors, self._transport.supports, strided=strided)
 
     def _accelerates_pairs(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> bool:
         return (len(outputs) == len(inputs) and self._accelerates(outputs + inputs)

@@ -117,7 +117,12 @@ def reductions_worker(rank: int, world_size: int, init_method: str) -> int:
         got = [rand(seed, rank, numel, dtype), rand(seed + 1, rank, numel, dtype)]
         dist.all_reduce_coalesced(got, redop)
         expect_close(got[0], want, f"all_reduce_coalesced {case}", rank, op)
-        checked += 3 + reduce_scatter_cases(rank, world_size, gloo, seed, dtype, op, numel)
+        pairs = torch.zeros(numel, 2, dtype=dtype)  # a strided view: staged through a contiguous copy
+        pairs[:, 0] = rand(seed, rank, numel, dtype)
+        dist.all_reduce(pairs[:, 0], redop)
+        expect_close(pairs[:, 0], want, f"all_reduce of a strided view {case}", rank, op)
+        assert not pairs[:, 1].any(), f"rank {rank}: all_reduce of a strided view wrote outside it, {case}"
+        checked += 4 + reduce_scatter_cases(rank, world_size, gloo, seed, dtype, op, numel)
     return checked
 
 
@@ -178,7 +183,10 @@ def movement_worker(rank: int, world_size: int, init_method: str) -> int:
             got = rand(seed, rank, numel, dtype)
             dist.broadcast(got, src)
             assert torch.equal(got, rand(seed, src, numel, dtype)), f"rank {rank}: broadcast src={src} {case}"
-        checked += len(spellings) + 1 + world_size
+        strided = torch.stack([rand(seed, rank, numel, dtype)] * 2, dim=1)[:, 1]
+        dist.broadcast(strided, world_size - 1)
+        assert torch.equal(strided, rand(seed, world_size - 1, numel, dtype)), f"rank {rank}: strided broadcast {case}"
+        checked += len(spellings) + 2 + world_size
     dist.barrier()
     dist.barrier(async_op=True).wait()
     return checked + 2
@@ -197,7 +205,7 @@ def case_env(world_size: int, transport: str) -> dict[str, str]:
 def test_reductions_match_gloo(world_size: int, transport: str, tmp_path) -> None:
     env = case_env(world_size, transport)
     checked = run_ranks(reductions_worker, world_size, f"file://{tmp_path}/rdv", timeout=100, env=env)
-    assert checked[0] == len(DTYPES) * len(OPS) * len(NUMELS) * 8
+    assert checked[0] == len(DTYPES) * len(OPS) * len(NUMELS) * 9
 
 
 @pytest.mark.timeout(120)
