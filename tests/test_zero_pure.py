@@ -10,7 +10,9 @@ import pytest
 
 import zero_reference  # noqa: F401  (puts the repo root on sys.path)
 from zero import config as cfg
-from zero.partition import ShardingPolicy, bucket_units, make_unit, module_units, wire_numel
+from ringcomm.layout import plan_buckets
+from zero.build import units_from_layout
+from zero.partition import ShardingPolicy, make_unit, module_units, wire_numel
 from zero.precision import DynamicLossScaler, ScalerOptions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,7 +41,7 @@ def test_policy_is_data(stage: int) -> None:
 @pytest.mark.parametrize("world_size", range(1, 9))
 def test_units_cover_every_parameter_once(world_size: int) -> None:
     numels = [0, 1, 7, 13, 1000, 3, 64, 5]  # awkward: empty, primes, bigger than a bucket
-    for units in (bucket_units(numels, world_size, 50),
+    for units in (units_from_layout(plan_buckets(numels, world_size=world_size, bucket_numel=50)),
                   module_units([[0, 1], [2, 3, 4], [5], [6, 7]], numels, world_size, 6)):
         seen = sorted(slot.index for u in units for slot in u.slots)
         assert seen == list(range(len(numels))), f"{world_size=}: {seen}"
@@ -47,7 +49,7 @@ def test_units_cover_every_parameter_once(world_size: int) -> None:
             assert u.padded_numel % world_size == 0 and u.padded_numel >= u.numel, f"{world_size=} {u}"
             owned = [u.owned_slices(*u.chunk(r)) for r in range(world_size)]
             assert sum(hi - lo for o in owned for _, lo, hi in o) == u.numel, f"{world_size=} {u}"
-    units = bucket_units(numels, world_size, 50)
+    units = units_from_layout(plan_buckets(numels, world_size=world_size, bucket_numel=50))
     assert units[0].slots[0].index == len(numels) - 1, "buckets start with the last parameter (ready first)"
     stage3 = module_units([[0, 1], [2, 3, 4], [5], [6, 7]], numels, world_size, 6)
     assert [u.resident for u in stage3] == [False, False, True], "group [0, 1] is all below the threshold"

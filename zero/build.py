@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ringcomm.layout import BufferLayout, plan_buckets
+
 from . import config as config_mod
 from . import optim
 from .comm import make_comm
@@ -16,7 +18,7 @@ from .engine import EngineParts, ZeroEngine
 from .gather import UnitGatherer
 from .param_group import ParamGroup
 from .unit import build_units
-from .partition import UnitPlan, bucket_units, module_units
+from .partition import ParamSlot, UnitPlan, module_units
 from .precision import make_scaler
 
 log = logging.getLogger("zero")
@@ -66,7 +68,8 @@ def plan_units(model: nn.Module, params: list[nn.Parameter], cfg: config_mod.Eng
     """Units and, for stage 3, the module of each unit (None: resident)."""
     numels = [p.numel() for p in params]
     if not cfg.zero.policy.shard_params:
-        return bucket_units(numels, world_size, cfg.zero.reduce_bucket_size), []
+        return units_from_layout(plan_buckets(numels, world_size=world_size,
+                                              bucket_numel=cfg.zero.reduce_bucket_size)), []
     index_of = {id(p): i for i, p in enumerate(params)}
     modules, groups = [], []
     for module in model.modules():
@@ -79,6 +82,17 @@ def plan_units(model: nn.Module, params: list[nn.Parameter], cfg: config_mod.Eng
     for plan in plans:
         owners.append(None if plan.resident else _module_of(plan, groups, modules))
     return plans, owners
+
+
+def units_from_layout(layout: BufferLayout) -> tuple[UnitPlan, ...]:
+    """Stages 0-2 take ringcomm's owner-aligned bucket layout (ringcomm/layout.py):
+    each bucket becomes a resident unit, chunk r of it rank r's shard."""
+    units = []
+    for bucket in layout.buckets:
+        slots = tuple(ParamSlot(i, layout.params[i].begin - bucket.begin, layout.params[i].numel)
+                      for i in bucket.param_indices)
+        units.append(UnitPlan(slots, bucket.chunk_numel, layout.world_size, resident=True))
+    return tuple(units)
 
 
 def _module_of(plan: UnitPlan, groups: list[list[int]], modules: list[nn.Module]) -> nn.Module:

@@ -87,24 +87,6 @@ def make_unit(indices: list[int], numels: list[int], world_size: int, resident: 
     return UnitPlan(tuple(slots), chunk_numel, world_size, resident)
 
 
-def bucket_units(numels: list[int], world_size: int, bucket_numel: int) -> tuple[UnitPlan, ...]:
-    """Resident units for stages 0-2: parameters in gradient-ready order (the
-    reverse of registration) cut into buckets of about bucket_numel elements
-    (a bigger parameter gets a bucket of its own)."""
-    if bucket_numel < 1:
-        raise ValueError(f"reduce_bucket_size: {bucket_numel} must be >= 1")
-    units, current, current_numel = [], [], 0
-    for index in reversed(range(len(numels))):
-        if current and current_numel + numels[index] > bucket_numel:
-            units.append(make_unit(current, [numels[i] for i in current], world_size, True))
-            current, current_numel = [], 0
-        current.append(index)
-        current_numel += numels[index]
-    if current:
-        units.append(make_unit(current, [numels[i] for i in current], world_size, True))
-    return tuple(units)
-
-
 def module_units(groups: list[list[int]], numels: list[int], world_size: int,
                  persistence_threshold: int) -> tuple[UnitPlan, ...]:
     """Stage 3 units: one per module (its direct parameters, `groups`), minus
