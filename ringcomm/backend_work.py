@@ -80,4 +80,5 @@ def use_comm_thread(transport_kind: str, world_size: int) -> bool:
     if mode != "auto":
         return mode == "thread"
     local_ranks = world_size if transport_kind == "shm" else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return (os.cpu_count() or 1) >= 2 * local_ranks
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cores >= 2 * local_ranks

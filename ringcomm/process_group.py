@@ -34,7 +34,7 @@ STORE_PREFIX = "ringcomm-backend/"
 # [Note: async calls]
 # An async call (async_op=True, and every call from DDP's reducer) runs on the
 # group's comm thread only when each local rank has a spare core for it
-# (RINGCOMM_ASYNC=auto: cpu_count >= 2 * local ranks). Otherwise it runs inline and
+# (RINGCOMM_ASYNC=auto: cores this process may use >= 2 * local ranks). Otherwise it runs inline and
 # returns a finished Work: with ranks >= cores, a comm thread that spins on shm
 # flags takes the core its own rank computes on (measured here, 2 ranks on 2
 # vCPUs: DDP steps 1.6x slower than inline), and the hand-off costs ~0.6 ms per
