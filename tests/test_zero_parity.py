@@ -74,6 +74,8 @@ def parity_worker(rank: int, world_size: int, stages: tuple[int, ...]) -> None:
                 for accumulation in (1, 3):
                     check_case(rank, world_size, kind, stage, dtype_name, accumulation, "ringcomm", reference)
             check_case(rank, world_size, kind, stage, "bf16", 3, "torch", reference)
+    for stage in (2, 3):  # a weight shared by two modules stays whole at stage 3
+        check_case(rank, world_size, "tied", stage, "fp32", 3, "ringcomm", reference)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])

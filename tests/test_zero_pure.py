@@ -54,6 +54,8 @@ def test_units_cover_every_parameter_once(world_size: int) -> None:
     stage3 = module_units([[0, 1], [2, 3, 4], [5], [6, 7]], numels, world_size, 6)
     assert [u.resident for u in stage3] == [False, False, True], "group [0, 1] is all below the threshold"
     assert sorted(s.index for s in stage3[-1].slots) == [0, 1, 5, 7], "params below the threshold stay resident"
+    tied = module_units([[2, 4], [6, 4]], numels, world_size, 0)  # 4 in two modules (tied weights)
+    assert [sorted(s.index for s in u.slots) for u in tied] == [[2], [6], [4]] and tied[-1].resident
 
 
 def test_wire_numel_ring_volume() -> None:

@@ -53,7 +53,10 @@ def make_model(kind: str) -> nn.Module:
     torch.manual_seed(1234)
     if kind == "mlp":
         return nn.Sequential(nn.Linear(12, 40), nn.ReLU(), nn.Linear(40, 24), nn.ReLU(), nn.Linear(24, 5))
-    return TinyTransformer()
+    model = TinyTransformer()
+    if kind == "tied":  # the head reuses the embedding (GPT-2 style)
+        model.head.weight = model.embed.weight
+    return model
 
 
 def make_batch(kind: str, numel: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -90,12 +90,17 @@ def make_unit(indices: list[int], numels: list[int], world_size: int, resident: 
 def module_units(groups: list[list[int]], numels: list[int], world_size: int,
                  persistence_threshold: int) -> tuple[UnitPlan, ...]:
     """Stage 3 units: one per module (its direct parameters, `groups`), minus
-    parameters smaller than persistence_threshold, which go to one resident
-    unit at the end."""
+    parameters smaller than persistence_threshold and parameters of several
+    modules (tied weights: no single module's hooks can own them), which go to
+    one resident unit at the end."""
+    owners: dict[int, int] = {}
+    for group in groups:
+        for i in group:
+            owners[i] = owners.get(i, 0) + 1
     units, persistent = [], []
     for group in groups:
-        sharded = [i for i in group if numels[i] >= persistence_threshold]
-        persistent.extend(i for i in group if numels[i] < persistence_threshold)
+        sharded = [i for i in group if numels[i] >= persistence_threshold and owners[i] == 1]
+        persistent.extend(i for i in group if i not in sharded and i not in persistent)
         if sharded:
             units.append(make_unit(sharded, [numels[i] for i in sharded], world_size, False))
     if persistent:
