@@ -152,4 +152,6 @@ def build_engine(model: nn.Module, optimizer=None, model_parameters=None, lr_sch
         gatherer.register()
     scheduler = make_scheduler(lr_scheduler, optimizer, cfg)
     scaler = make_scaler(dtype, cfg.scaler)
-    return ZeroEngine(EngineParts(model, optimizer, scheduler, cfg, group, gatherer, scaler, comm, dtype))
+    names = {id(p): name for name, p in model.named_parameters()}
+    return ZeroEngine(EngineParts(model, optimizer, scheduler, cfg, group, gatherer, scaler, comm, dtype,
+                                  [names[id(p)] for p in params]))

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from . import checkpoint
 from .accounting import MemoryReport, memory_report
 from .comm import Comm
 from .config import EngineConfig
@@ -29,6 +30,7 @@ class EngineParts:
     scaler: LossScaler
     comm: Comm
     dtype: torch.dtype
+    param_names: list[str]
 
 
 class ZeroEngine:
@@ -144,6 +146,12 @@ class ZeroEngine:
     def full_params_fp32(self) -> list[torch.Tensor]:
         """Every trainable parameter's fp32 master, whole (a collective)."""
         return self.parts.group.full_masters()
+
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> str:
+        return checkpoint.save(self, save_dir, tag, client_state)
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None) -> tuple[str, dict]:
+        return checkpoint.load(self, load_dir, tag)
 
     def wire_report(self) -> int:
         """Bytes this rank sent in the last step (ring volume of its collectives)."""

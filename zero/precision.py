@@ -33,6 +33,10 @@ class LossScaler:
     def state_dict(self) -> dict:
         return {"scale": self.scale}
 
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
 
 class DynamicLossScaler(LossScaler):
     """DeepSpeed's dynamic loss scaler.
