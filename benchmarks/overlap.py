@@ -1,7 +1,11 @@
 """Comm/compute overlap of BucketScheduler: one MLP step (forward, backward,
 gradient sync) with overlap on and off, and gloo DDP as the reference.
 
-    python benchmarks/overlap.py [--world-size 2] [--steps 12] [--transport auto]
+    python benchmarks/overlap.py [--world-size 2] [--steps 20] [--transport shm,torch_dist]
+
+On shm the collectives are pure CPU work (copies and reductions), so with no
+spare core per rank hiding them cannot shorten a compute-bound step; on
+torch_dist (gloo send/recv) part of the collective is waiting, which overlap hides.
 
 Spawns local ranks itself (file rendezvous, one compute thread per rank).
 Prints a table and writes JSON (bench-results/overlap.json by default).
@@ -27,7 +31,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bucket-mb", type=float, default=2.0, help="bucket_bytes in MiB")
     parser.add_argument("--first-bucket-mb", type=float, default=1.0)
     parser.add_argument("--mode", default="reduce_scatter", choices=("reduce_scatter", "all_reduce"))
-    parser.add_argument("--transport", default="auto", choices=("auto", "shm", "torch_dist"))
+    parser.add_argument("--transport", default="shm,torch_dist",
+                        help="comma-separated transports to measure, one run each (auto, shm, torch_dist)")
     parser.add_argument("--spin-before-yield", type=int, default=None,
                         help="shm: spins before a waiting rank yields its core (default: the transport's)")
     parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
@@ -60,7 +65,7 @@ def ddp_step(ddp, batch):
     ddp(batch).square().mean().backward()
 
 
-def run_rank(rank: int, args: argparse.Namespace, init_file: str, results) -> None:
+def run_rank(rank: int, args: argparse.Namespace, transport: str, init_file: str, results) -> None:
     import torch
     import torch.distributed as dist
 
@@ -72,7 +77,7 @@ def run_rank(rank: int, args: argparse.Namespace, init_file: str, results) -> No
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=args.world_size,
                             timeout=timedelta(seconds=120))
     shm = None if args.spin_before_yield is None else ringcomm.ShmOptions(spin_before_yield=args.spin_before_yield)
-    group = ringcomm.new_group(transport=args.transport, timeout=120, shm=shm)
+    group = ringcomm.new_group(transport=transport, timeout=120, shm=shm)
     steps = {}
     for name, overlap in (("overlap on", True), ("overlap off", False)):
         model = build_model(args)
@@ -171,13 +176,14 @@ def _wait_result(results, procs, deadline: float) -> dict:
     raise RuntimeError("overlap benchmark: no result within the deadline; killed the ranks")
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
+def run_transport(args: argparse.Namespace, transport: str) -> dict:
+    """Spawns the ranks for one transport; prints its table; returns its summary."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="ringcomm-bench-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=run_rank, args=(r, args, init_file, results)) for r in range(args.world_size)]
+        procs = [ctx.Process(target=run_rank, args=(r, args, transport, init_file, results))
+                 for r in range(args.world_size)]
         for proc in procs:
             proc.start()
         out = _wait_result(results, procs, deadline=time.monotonic() + 600)
@@ -189,8 +195,17 @@ def main(argv: list[str] | None = None) -> dict:
     out["speedup"] = statistics.median(off / on for on, off in zip(out["times"]["overlap on"],
                                                                      out["times"]["overlap off"]))
     print_table(args, out, rows)
-    summary = {"args": vars(args), "transport": out["transport"], "num_buckets": out["num_buckets"], "rows": rows,
-               "paired_speedup": out["speedup"]}
+    return {"transport": out["transport"], "num_buckets": out["num_buckets"], "rows": rows,
+            "paired_speedup": out["speedup"]}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    runs = []
+    for transport in args.transport.split(","):
+        runs.append(run_transport(args, transport.strip()))
+        print()
+    summary = {"args": vars(args), "runs": runs}
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:

@@ -228,10 +228,10 @@ def test_overlap_benchmark_smoke(tmp_path) -> None:
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "overlap.py"
     out = tmp_path / "overlap.json"
     args = ["--layers", "2", "--width", "32", "--batch", "4", "--steps", "2", "--warmup", "1", "--bucket-mb", "0.001",
-            "--first-bucket-mb", "0.001", "--json", str(out)]
+            "--first-bucket-mb", "0.001", "--transport", "shm", "--json", str(out)]
     proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "hidden behind backward" in proc.stdout, proc.stdout
-    summary = json.loads(out.read_text())
+    (summary,) = json.loads(out.read_text())["runs"]
     on, off, _ = summary["rows"]
     assert summary["num_buckets"] > 1 and on["comm_ms"] > 0 and off["hidden_fraction"] == 0.0, summary
