@@ -162,3 +162,18 @@ def test_warmup_schedulers() -> None:
     assert decay == [0, 0.25, 0.5, 0.75, 1.0, 0.75, 0.5, 0.25, 0.0, 0.0]
     with pytest.raises(ValueError, match="total_num_steps"):
         lrs({"type": "WarmupDecayLR", "params": linear}, 1)
+
+
+def test_rebind_keeps_param_groups() -> None:
+    import torch
+    from zero.optim import rebind
+    a, b, c = (torch.nn.Parameter(torch.zeros(n)) for n in (4, 6, 3))
+    opt = torch.optim.AdamW([{"params": [a, c], "weight_decay": 0.1}, {"params": [b], "weight_decay": 0.0}])
+    flat = torch.zeros(13)
+    masters = [(0, flat[0:2]), (0, flat[2:4]), (1, flat[4:10]), (2, flat[10:13])]  # a cut in two slices
+    rebind(opt, [a, b, c], masters)
+    assert [[m.data_ptr() for m in g["params"]] for g in opt.param_groups] == \
+        [[flat[0:2].data_ptr(), flat[2:4].data_ptr(), flat[10:13].data_ptr()], [flat[4:10].data_ptr()]]
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    with pytest.raises(ValueError, match="not a trainable parameter"):
+        rebind(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), [a], [])

@@ -70,7 +70,7 @@ class Comm:
             self._broadcast(tensor, src)  # set-up only; not counted as step traffic
 
     def close(self) -> None:
-        pass
+        """Nothing to release: the groups belong to torch.distributed / ringcomm."""
 
 
 class RingComm(Comm):
@@ -96,8 +96,6 @@ class RingComm(Comm):
         import ringcomm
         ringcomm.broadcast(tensor, src, self.group)
 
-    def close(self) -> None:
-        self.group.close()
 
 
 class TorchComm(Comm):
@@ -145,4 +143,4 @@ def make_comm(backend: str) -> Comm:
     if backend == "torch":
         return TorchComm(rank, world_size)
     import ringcomm
-    return RingComm(rank, world_size, ringcomm.new_group())
+    return RingComm(rank, world_size, ringcomm.default_group())  # ringcomm keeps (and closes) it
