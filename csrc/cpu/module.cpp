@@ -29,8 +29,8 @@ void copy(uintptr_t dst, uintptr_t src, int64_t nbytes) {
   std::memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), static_cast<size_t>(nbytes));
 }
 
-ShmConfig make_config(int64_t slot_nbytes, int num_slots, int64_t oneshot_max_nbytes, int spin_before_yield) {
-  return ShmConfig{slot_nbytes, num_slots, oneshot_max_nbytes, spin_before_yield};
+ShmConfig make_config(int64_t slot_nbytes, int num_slots, int64_t oneshot_max_nbytes, int64_t spin_ns) {
+  return ShmConfig{slot_nbytes, num_slots, oneshot_max_nbytes, spin_ns};
 }
 
 }  // namespace
@@ -44,12 +44,12 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<ShmComm>(m, "ShmComm")
       .def(py::init([](const std::string& name, int rank, int world_size, int64_t slot_nbytes, int num_slots,
-                       int64_t oneshot_max_nbytes, int spin_before_yield, bool create) {
-             return new ShmComm(name, rank, world_size, make_config(slot_nbytes, num_slots, oneshot_max_nbytes, spin_before_yield),
+                       int64_t oneshot_max_nbytes, int64_t spin_ns, bool create) {
+             return new ShmComm(name, rank, world_size, make_config(slot_nbytes, num_slots, oneshot_max_nbytes, spin_ns),
                                 create);
            }),
            py::arg("name"), py::arg("rank"), py::arg("world_size"), py::arg("slot_nbytes"), py::arg("num_slots"),
-           py::arg("oneshot_max_nbytes"), py::arg("spin_before_yield"), py::arg("create"))
+           py::arg("oneshot_max_nbytes"), py::arg("spin_ns"), py::arg("create"))
       .def_static("unlink", &ShmComm::unlink, py::arg("name"))
       .def_static("segment_nbytes",
                   [](int world_size, int64_t slot_nbytes, int num_slots) {

@@ -135,16 +135,19 @@ void ShmComm::wait_for(int peer, const Flag& flag, uint64_t target, const StepIn
   if (flag.value.load(std::memory_order_acquire) >= target) return;
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
+  const auto spin_until = start + std::chrono::nanoseconds(config_.spin_ns);
   auto last_alive_check = start;
-  for (int64_t spin = 0;; ++spin) {
+  // Spin (the peer is running on another core), then yield the core (ranks
+  // outnumber cores, or the peer is late), then sleep (the peer is very late).
+  for (int64_t spin = 1;; ++spin) {
     if (flag.value.load(std::memory_order_acquire) >= target) return;
-    if (spin < config_.spin_before_yield) {
+    if (spin % 64 != 0) {
       cpu_relax();
       continue;
     }
     const auto now = Clock::now();
-    const auto waited = now - start;
-    if (waited < std::chrono::milliseconds(2)) {
+    if (now < spin_until) continue;
+    if (now - start < std::chrono::milliseconds(2)) {
       sched_yield();
     } else {
       const timespec pause{0, 20000};

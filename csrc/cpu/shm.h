@@ -44,7 +44,7 @@ struct ShmConfig {
   int64_t slot_nbytes;         // staging bytes per slot (data part)
   int num_slots;               // slots per rank; rounds can run this far ahead
   int64_t oneshot_max_nbytes;  // all-reduce of at most this many bytes: one round
-  int spin_before_yield;       // busy-wait iterations before yielding the core
+  int64_t spin_ns;             // busy-wait this long before yielding the core
 };
 
 // Where a wait is, for error messages: op, step within the op, deadline.

@@ -32,7 +32,7 @@ class ShmOptions:
     slot_nbytes: int = 1 << 20
     num_slots: int = 4
     oneshot_max_nbytes: int = 64 << 10
-    spin_before_yield: int = 4096
+    spin_us: float = 50.0  # busy-wait before yielding the core (0 when ranks outnumber cores)
 
 
 class ShmTransport:
@@ -49,7 +49,8 @@ class ShmTransport:
     @classmethod
     def create(cls, store: dist.Store, rank: int, world_size: int, timeout_s: float, options: ShmOptions) -> ShmTransport:
         """Collective over the group's ranks: rendezvous through `store`."""
-        spin = options.spin_before_yield if world_size <= (os.cpu_count() or 1) else 16
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        spin = int(options.spin_us * 1000) if world_size <= cores else 0
         args = (rank, world_size, options.slot_nbytes, options.num_slots, options.oneshot_max_nbytes, spin)
         if rank != 0:
             name = _get(store, "shm/name", timeout_s, f"shm: rank {rank} waiting for rank 0 to create the segment").decode()
