@@ -103,6 +103,7 @@ def engine_step(args, stage: int, framework: str):
         loss = engine(batch(args, i, torch.bfloat16)).float().pow(2).mean()
         engine.backward(loss)
         engine.step()
+    step.engine = engine
     return step
 
 
@@ -153,6 +154,8 @@ def measure_stage(args, stage: int, frameworks: list[str]) -> dict:
         except Exception as error:  # reported in the table; the other columns still run
             out[framework] = f"{type(error).__name__}: {str(error).splitlines()[0][:100]}"
     out.update(interleave(args, steps))
+    if "zero" in steps:  # bytes this rank sent in the last step, counted at zero/comm.py
+        out["zero MB sent"] = steps["zero"].engine.wire_report() / 1e6
     return out
 
 
@@ -161,6 +164,9 @@ def table(results: dict) -> str:
         return f"{v * 1e3:9.1f}" if isinstance(v, float) else f"{'-':>9}"
     lines = [f"{'framework':<12}" + "".join(f"{'stage ' + str(s) + ' ms':>11}" for s in STAGES)]
     for framework, row in results.items():
+        if framework == "zero MB sent":
+            lines.append(f"{'zero MB/step':<12}" + "".join(f"{row.get(s, 0):11.1f}" for s in STAGES))
+            continue
         lines.append(f"{framework:<12}" + "".join(f"{cell(row.get(s)):>11}" for s in STAGES))
     zero, ds = results.get("zero", {}), results.get("deepspeed", {})
     ratios = [f"{zero[s] / ds[s]:11.2f}" if isinstance(zero.get(s), float) and isinstance(ds.get(s), float)
@@ -183,7 +189,7 @@ def worker(args) -> None:
     results: dict = {f: {} for f in frameworks}
     for stage in STAGES:
         for framework, value in measure_stage(args, stage, frameworks).items():
-            results[framework][stage] = value
+            results.setdefault(framework, {})[stage] = value
     if dist.get_rank() == 0:
         params = sum(p.numel() for p in make_model(args).parameters())
         print(f"zero_step: {dist.get_world_size()} ranks, bf16 MLP {args.layers}x(w={args.width}), "

@@ -141,7 +141,7 @@ def build_engine(model: nn.Module, optimizer=None, model_parameters=None, lr_sch
     comm.overlap = cfg.zero.overlap_comm
     plans, owners = plan_units(model, params, cfg, world_size)
     units = build_units(params, plans, rank, comm)
-    group = ParamGroup(units, cfg.zero.policy, comm, cfg.gradient_accumulation_steps)
+    group = ParamGroup(units, cfg.zero.policy, comm)
     optim.rebind(optimizer, params, group.setup_masters())
     group.register_grad_hooks()
     gatherer = None

@@ -26,11 +26,10 @@ from .unit import Unit
 class ParamGroup:
     """Units of the model plus the reduction and update rules of a policy."""
 
-    def __init__(self, units: list[Unit], policy: ShardingPolicy, comm: Comm, accumulation_steps: int) -> None:
+    def __init__(self, units: list[Unit], policy: ShardingPolicy, comm: Comm) -> None:
         self.units = units
         self.policy = policy
         self.comm = comm
-        self.accumulation_steps = accumulation_steps
         self.boundary = True
         self.launched: list[Unit] = []
         self.transient_nbytes = 0
