@@ -6,6 +6,7 @@ import concurrent.futures
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -50,13 +51,22 @@ class Group:
         if not async_op and self._last is None:
             fn()
             return None
+        timing: list[float] = []
+
+        def timed() -> None:
+            timing.append(time.perf_counter())
+            try:
+                fn()
+            finally:
+                timing.append(time.perf_counter())
+
         with self._lock:
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ringcomm-r{self.rank}")
-            future = self._executor.submit(fn)
+            future = self._executor.submit(timed)
             self._last = future
         future.add_done_callback(self._forget)
-        work = Work(future, op, self.rank)
+        work = Work(future, op, self.rank, timing)
         if not async_op:
             work.wait()
             return None

@@ -11,10 +11,21 @@ class Work:
 
     Works of one group complete in the order they were launched."""
 
-    def __init__(self, future: concurrent.futures.Future, op: str, rank: int) -> None:
+    def __init__(self, future: concurrent.futures.Future, op: str, rank: int, timing: list[float] | None = None) -> None:
         self._future = future
         self.op = op
         self.rank = rank
+        self._timing = timing if timing is not None else []
+
+    @property
+    def started_at(self) -> float | None:
+        """time.perf_counter() when the comm thread began the collective (None before)."""
+        return self._timing[0] if self._timing else None
+
+    @property
+    def finished_at(self) -> float | None:
+        """time.perf_counter() when the collective ended (None before)."""
+        return self._timing[1] if len(self._timing) > 1 else None
 
     @classmethod
     def completed(cls, op: str, rank: int) -> Work:

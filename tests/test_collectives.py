@@ -137,6 +137,9 @@ def check_async_in_order(rank, world_size, transport):
     for i, (t, work) in enumerate(zip(tensors, works)):
         assert work.wait(timeout=30) and work.is_completed()
         assert torch.all(t == sum(r + i for r in range(world_size))), f"rank {rank} async {i}"
+        assert work.started_at <= work.finished_at, f"rank {rank} async {i}: timestamps"
+        if i:
+            assert works[i - 1].finished_at <= work.started_at, f"rank {rank} async {i} ran before {i - 1} ended"
     assert torch.all(sync == world_size)
 
 
