@@ -47,6 +47,7 @@ class ZeroEngine:
         self.skipped_steps = 0
         self.last_step_sent_nbytes = 0
         self._global_grad_norm: float | None = None
+        self._step_applied = False
 
     # ---- DeepSpeed surface ---------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -62,7 +63,7 @@ class ZeroEngine:
             return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
         return self.module(*tree_map(cast, args), **tree_map(cast, kwargs))
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Scales the loss (loss scale / accumulation steps), back-propagates and
         reduces the gradients (overlapped with backward by the bucket hooks)."""
         group = self.parts.group
@@ -70,11 +71,13 @@ class ZeroEngine:
         scale = self.parts.scaler.scale / self.gradient_accumulation_steps()
         (loss.float() * scale).backward()
         group.finish_backward()
+        return loss
 
     def step(self) -> None:
         """Updates the parameters at an accumulation boundary (no-op otherwise)."""
         if self.is_gradient_accumulation_boundary():
-            if self._take_step() and self.lr_scheduler is not None:
+            self._step_applied = self._take_step()
+            if self._step_applied and self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             self.global_steps += 1
             self.last_step_sent_nbytes = self.parts.comm.sent_nbytes
@@ -104,6 +107,16 @@ class ZeroEngine:
         group.publish_masters()
         group.zero_grads()
         return True
+
+    def was_step_applied(self) -> bool:
+        """False when the last boundary step was skipped (fp16 overflow)."""
+        return self._step_applied
+
+    def parameters(self, recurse: bool = True):
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, *args, **kwargs):
+        return self.module.named_parameters(*args, **kwargs)
 
     def zero_grad(self) -> None:
         self.parts.group.zero_grads()
