@@ -34,6 +34,8 @@ class ParamGroup:
         self.launched: list[Unit] = []
         self.transient_nbytes = 0
         self.peak_transient_nbytes = 0
+        self.num_overlapped = 0  # reductions launched from gradient hooks, during backward
+        self.last_num_overlapped = 0  # the same, for the last finished backward
 
     # ---- set-up -------------------------------------------------------------
     def setup_masters(self) -> list[tuple[int, torch.Tensor]]:
@@ -89,6 +91,7 @@ class ParamGroup:
         unit.written.add(slot.index)
         if unit.num_ready == len(unit.params) and self._reduce_now():
             self.start_reduce(unit)
+            self.num_overlapped += 1
 
     def _new_bucket(self, unit: Unit) -> None:
         unit.grad = torch.empty(unit.plan.padded_numel, dtype=unit.shard.dtype)
@@ -127,6 +130,7 @@ class ParamGroup:
     def finish_backward(self) -> None:
         """After loss.backward(): reduces what no hook reduced, waits for every
         reduction, folds transient buckets into the owned accumulators."""
+        self.last_num_overlapped, self.num_overlapped = self.num_overlapped, 0
         if self._reduce_now():
             for unit in self.units:
                 self.start_reduce(unit)
