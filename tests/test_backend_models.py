@@ -126,11 +126,11 @@ def test_torch_wrappers_match_gloo(world_size: int, tmp_path) -> None:
     # 3 ranks: ringcomm and gloo add in different orders, 1 ulp per fp32 gradient
     # element (~3e-8 here) that 4 optimizer steps carry into the parameters. In bf16
     # gloo rounds the 3-term sum twice and ringcomm once: gradients differ by a bf16
-    # ulp, and Adam, which normalizes the gradient, moves a parameter by up to lr per
-    # step for such a difference: NUM_STEPS * lr.
+    # ulp, and Adam, which normalizes the gradient, turns that into up to 2 lr per step
+    # where it flips the sign of a tiny gradient: 2 * NUM_STEPS * lr at most.
     for rank, rank_diffs in enumerate(diffs):
         for name, diff in rank_diffs.items():
-            limit = 0.0 if world_size == 2 else NUM_STEPS * LR if "bf16" in name else 1e-6
+            limit = 0.0 if world_size == 2 else 2 * NUM_STEPS * LR if "bf16" in name else 1e-6
             assert diff <= limit, f"rank {rank}: {name} on ringcomm differs from gloo by {diff} > {limit}"
 
 
