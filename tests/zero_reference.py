@@ -49,10 +49,25 @@ class TinyTransformer(nn.Module):
         return self.head(self.blocks(self.embed(tokens)))
 
 
+class TorchAttention(nn.Module):
+    """torch's MultiheadAttention, which uses out_proj's weight without calling out_proj
+    (no biases: a key bias gets no gradient)."""
+
+    def __init__(self, vocab: int = 32, d: int = 16) -> None:
+        super().__init__()
+        self.embed, self.attn, self.head = nn.Embedding(vocab, d), nn.MultiheadAttention(d, 2, bias=False), nn.Linear(d, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens).transpose(0, 1)
+        return self.head(self.attn(x, x, x, need_weights=False)[0].transpose(0, 1))
+
+
 def make_model(kind: str) -> nn.Module:
     torch.manual_seed(1234)
     if kind == "mlp":
         return nn.Sequential(nn.Linear(12, 40), nn.ReLU(), nn.Linear(40, 24), nn.ReLU(), nn.Linear(24, 5))
+    if kind == "torch_attention":
+        return TorchAttention()
     model = TinyTransformer()
     if kind == "tied":  # the head reuses the embedding (GPT-2 style)
         model.head.weight = model.embed.weight

@@ -70,18 +70,33 @@ def plan_units(model: nn.Module, params: list[nn.Parameter], cfg: config_mod.Eng
     if not cfg.zero.policy.shard_params:
         return units_from_layout(plan_buckets(numels, world_size=world_size,
                                               bucket_numel=cfg.zero.reduce_bucket_size)), []
-    index_of = {id(p): i for i, p in enumerate(params)}
-    modules, groups = [], []
-    for module in model.modules():
-        direct = [index_of[id(p)] for p in module.parameters(recurse=False) if id(p) in index_of]
-        if direct:
-            modules.append(module)
-            groups.append(direct)
+    modules, groups = module_groups(model, params)
     plans = module_units(groups, numels, world_size, cfg.zero.param_persistence_threshold)
     owners = []
     for plan in plans:
         owners.append(None if plan.resident else _module_of(plan, groups, modules))
     return plans, owners
+
+
+WHOLE_MODULES = (nn.MultiheadAttention,)  # use their children's parameters without calling the children
+
+
+def module_groups(model: nn.Module, params: list[nn.Parameter]) -> tuple[list[nn.Module], list[list[int]]]:
+    """Stage 3: each module with parameters of its own and the indices of those
+    parameters; a WHOLE_MODULES module takes its whole subtree."""
+    index_of = {id(p): i for i, p in enumerate(params)}
+    modules, groups, inside = [], [], set()
+    for module in model.modules():
+        if id(module) in inside:
+            continue
+        whole = isinstance(module, WHOLE_MODULES)
+        if whole:
+            inside.update(id(m) for m in module.modules())
+        indices = [index_of[id(p)] for p in module.parameters(recurse=whole) if id(p) in index_of]
+        if indices:
+            modules.append(module)
+            groups.append(indices)
+    return modules, groups
 
 
 def units_from_layout(layout: BufferLayout) -> tuple[UnitPlan, ...]:
