@@ -8,7 +8,6 @@ import subprocess
 import sys
 import warnings
 
-import pytest
 import torch
 
 from harness import run_ranks
