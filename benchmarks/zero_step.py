@@ -8,7 +8,9 @@ Every framework trains the same bf16 MLP with fp32 master weights, AdamW,
 clipping 1.0, the same buckets; a step is forward + backward + optimizer step.
 DDP runs fp32 parameters under bf16 autocast (fp32 gradients: torch's bf16
 compress hook needs CUDA/NCCL), FSDP2 bf16 parameters / reductions over fp32 shards (ZeRO-3's recipe).
-Prints median step times and zero / DeepSpeed; writes JSON.
+Prints median step times, zero / DeepSpeed, and the MB each rank sent in a
+step: zero's counted at zero/comm.py, DeepSpeed's at torch.distributed's Python
+collectives (ring volumes for both); writes JSON.
 """
 from __future__ import annotations
 
@@ -83,6 +85,40 @@ def batch(args, i: int, dtype):
     return torch.randn(args.batch, args.width, generator=g).to(dtype)
 
 
+class WireCounter:
+    """Bytes this rank would send for the torch.distributed collectives called
+    from Python (DeepSpeed's path), with ring volumes: all_reduce 2 S (n-1)/n,
+    reduce-scatter / all-gather S (n-1)/n, S the full tensor's bytes."""
+
+    FACTORS = {"all_reduce": 2.0, "reduce_scatter_tensor": 1.0, "_reduce_scatter_base": 1.0,
+               "all_gather_into_tensor": 1.0, "_all_gather_base": 1.0}
+
+    def __init__(self) -> None:
+        self.nbytes = 0.0
+
+    def install(self) -> None:
+        import torch.distributed as dist
+        for name, factor in self.FACTORS.items():
+            original = getattr(dist, name, None)
+            if original is not None:
+                setattr(dist, name, self._wrap(original, factor, name))
+
+    def _wrap(self, original, factor: float, name: str):
+        import torch.distributed as dist
+
+        def counted(*args, **kwargs):
+            tensors = [a for a in args[:2] if hasattr(a, "numel")] + \
+                [kwargs[k] for k in ("tensor", "output_tensor", "input_tensor", "output", "input") if k in kwargs]
+            full = max((t.numel() * t.element_size() for t in tensors), default=0)
+            world_size = dist.get_world_size(kwargs.get("group"))
+            self.nbytes += factor * full * (world_size - 1) / world_size
+            return original(*args, **kwargs)
+        return counted
+
+
+WIRE = WireCounter()
+
+
 def engine_step(args, stage: int, framework: str):
     import torch
     model = make_model(args)
@@ -100,10 +136,11 @@ def engine_step(args, stage: int, framework: str):
         engine, *_ = zero.initialize(model=model, optimizer=optimizer, config=config, comm_backend=backend)
 
     def step(i: int) -> None:
+        before = WIRE.nbytes
         loss = engine(batch(args, i, torch.bfloat16)).float().pow(2).mean()
         engine.backward(loss)
         engine.step()
-    step.engine = engine
+        step.sent_nbytes = engine.wire_report() if framework != "deepspeed" else WIRE.nbytes - before
     return step
 
 
@@ -154,8 +191,9 @@ def measure_stage(args, stage: int, frameworks: list[str]) -> dict:
         except Exception as error:  # reported in the table; the other columns still run
             out[framework] = f"{type(error).__name__}: {str(error).splitlines()[0][:100]}"
     out.update(interleave(args, steps))
-    if "zero" in steps:  # bytes this rank sent in the last step, counted at zero/comm.py
-        out["zero MB sent"] = steps["zero"].engine.wire_report() / 1e6
+    for name in ("zero", "deepspeed"):  # bytes this rank sent in the last step
+        if name in steps:
+            out[f"{name} MB/step"] = steps[name].sent_nbytes / 1e6
     return out
 
 
@@ -164,8 +202,8 @@ def table(results: dict) -> str:
         return f"{v * 1e3:9.1f}" if isinstance(v, float) else f"{'-':>9}"
     lines = [f"{'framework':<12}" + "".join(f"{'stage ' + str(s) + ' ms':>11}" for s in STAGES)]
     for framework, row in results.items():
-        if framework == "zero MB sent":
-            lines.append(f"{'zero MB/step':<12}" + "".join(f"{row.get(s, 0):11.1f}" for s in STAGES))
+        if framework.endswith("MB/step"):
+            lines.append(f"{framework.replace('deepspeed', 'DS'):<12}" + "".join(f"{row.get(s, 0):11.1f}" for s in STAGES))
             continue
         lines.append(f"{framework:<12}" + "".join(f"{cell(row.get(s)):>11}" for s in STAGES))
     zero, ds = results.get("zero", {}), results.get("deepspeed", {})
@@ -185,6 +223,7 @@ def worker(args) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
+    WIRE.install()
     frameworks = args.frameworks.split(",")
     results: dict = {f: {} for f in frameworks}
     for stage in STAGES:
