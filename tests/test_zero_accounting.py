@@ -61,15 +61,19 @@ def check_memory_and_wire(rank: int, world_size: int, stage: int, dtype_name: st
     assert abs(sent_elements - expected_wire) <= 3 * padding + 16, f"{case}: sent {sent_elements} vs {expected_wire}"
 
 
-def check_forced_overflow(rank: int, world_size: int, stage: int) -> list[float]:
-    """`x` steps get an inf in one gradient element on the last rank only."""
+def check_forced_overflow(rank: int, world_size: int, stage: int, static: bool = False) -> list[float]:
+    """`x` steps get an inf in one gradient element on the last rank only. A
+    static fp16 scale also skips those steps, and never moves."""
     pattern, expected = "xx...x.x", [16, 8, 8, 8, 16, 16, 16, 8]
+    if static:
+        expected = [16.0] * len(pattern)
     model = make_mlp()
     inject = {"on": False}
     model[0].weight.register_hook(
         lambda g: g.index_put((torch.tensor([3]), torch.tensor([5])), torch.tensor(float("inf"), dtype=g.dtype))
         if inject["on"] and rank == world_size - 1 else g)
-    cfg = config(stage, "fp16", initial_scale_power=4, loss_scale_window=3, hysteresis=2, min_loss_scale=1)
+    cfg = config(stage, "fp16", initial_scale_power=4, loss_scale_window=3, hysteresis=2, min_loss_scale=1,
+                 loss_scale=16 if static else 0)
     cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 9e-4,
                                                        "warmup_num_steps": 8, "warmup_type": "linear"}}
     with warnings.catch_warnings():
@@ -128,7 +132,8 @@ def accounting_worker(rank: int, world_size: int) -> list[list[float]]:
         for dtype_name in ("fp16", "bf16"):
             check_memory_and_wire(rank, world_size, stage, dtype_name, "ringcomm")
         check_memory_and_wire(rank, world_size, stage, "bf16", "torch")
-    return [check_forced_overflow(rank, world_size, stage) for stage in (0, 1, 2, 3)]
+    return [check_forced_overflow(rank, world_size, stage) for stage in (0, 1, 2, 3)] + \
+        [check_forced_overflow(rank, world_size, 2, static=True)]
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -2,6 +2,7 @@
 a ParamGroup, with loss scaling, clipping, accumulation and accounting."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -90,7 +91,7 @@ class ZeroEngine:
         grads = group.owned_grads_fp32()
         used_scale = scaler.scale  # the scale these gradients carry; update() may change it
         norm = group.grad_norm(grads) / used_scale
-        overflow = scaler.dynamic and not torch.isfinite(torch.tensor(norm)).item()
+        overflow = scaler.checks_overflow and not math.isfinite(norm)  # the norm is global: all ranks agree
         if scaler.update(overflow):
             self.skipped_steps += 1
             self._global_grad_norm = norm

@@ -19,16 +19,18 @@ class ScalerOptions:
 
 
 class LossScaler:
-    """Static scale (or 1.0 for fp32/bf16): never skips a step."""
+    """A static scale. fp16 (checks_overflow) skips a step whose gradients
+    overflowed, as DeepSpeed does; fp32/bf16 (scale 1.0) never check."""
 
     dynamic = False
 
-    def __init__(self, scale: float = 1.0) -> None:
+    def __init__(self, scale: float = 1.0, checks_overflow: bool = False) -> None:
         self.scale = float(scale)
+        self.checks_overflow = checks_overflow
 
     def update(self, overflow: bool) -> bool:
         """Records a step's overflow; returns whether the step must be skipped."""
-        return False
+        return overflow and self.checks_overflow
 
     def state_dict(self) -> dict:
         return {"scale": self.scale}
@@ -50,7 +52,7 @@ class DynamicLossScaler(LossScaler):
     dynamic = True
 
     def __init__(self, options: ScalerOptions) -> None:
-        super().__init__(2.0 ** options.initial_scale_power)
+        super().__init__(2.0 ** options.initial_scale_power, checks_overflow=True)
         self.options = options
         self.hysteresis_left = options.hysteresis
         self.iteration = 0
@@ -84,9 +86,4 @@ def make_scaler(dtype: torch.dtype, options: ScalerOptions) -> LossScaler:
         return LossScaler(1.0)
     if options.loss_scale == 0:
         return DynamicLossScaler(options)
-    return LossScaler(options.loss_scale)
-
-
-def has_overflow(tensors: list[torch.Tensor]) -> bool:
-    """Whether any tensor holds an inf or a nan (local; the caller agrees across ranks)."""
-    return any(not torch.isfinite(t).all() for t in tensors if t.numel())
+    return LossScaler(options.loss_scale, checks_overflow=True)
