@@ -86,6 +86,7 @@ def test_batch_rule_and_auto() -> None:
     ({"gradient_clipping": -1.0}, "gradient_clipping"),
     ({"optimizer": {"type": "Lamb"}}, "optimizer.type"),
     ({"scheduler": {"type": "OneCycle"}}, "scheduler.type"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}}, "scheduler.params.warmup_num_steps"),
     ({"train_micro_batch_size_per_gpu": 0}, "train_micro_batch_size_per_gpu"),
     ({"activation_checkpointing": {"number_checkpoints": 0}}, "activation_checkpointing.number_checkpoints"),
 ])
@@ -105,6 +106,8 @@ def test_unknown_keys_warn() -> None:
         cfg.parse({"no_such_key": 1}, FACTS)
     with pytest.warns(UserWarning, match="zero_optimization.'stage4_magic'"):
         cfg.parse({"zero_optimization": {"stage4_magic": 1}}, FACTS)
+    with pytest.warns(UserWarning, match="scheduler.params.'warmup_steps'"):
+        cfg.parse({"scheduler": {"type": "WarmupLR", "params": {"warmup_steps": 5}}}, FACTS)
 
 
 @pytest.mark.parametrize("name", ["ds_zero2_config.json", "ds_zero3_config.json"])

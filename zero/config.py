@@ -29,6 +29,9 @@ ZERO_KEYS = {
 }
 FP16_KEYS = {"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
              "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads"}
+BF16_KEYS = {"enabled", "immediate_grad_update", "check_grad_overflow"}
+SCHEDULER_PARAMS = {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps",
+                    "last_batch_iteration"}
 OFFLOAD_KEYS = {"device", "pin_memory", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu",
                 "fast_init", "ratio", "pipeline_read", "pipeline_write"}
 CHECKPOINT_KEYS = {"partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
@@ -147,6 +150,7 @@ def resolve_batch(raw: dict, world_size: int, arguments: dict | None = None) -> 
 
 def _dtype(raw: dict, facts: ModelFacts) -> str:
     fp16, bf16 = raw.get("fp16", {}), raw.get("bf16", {})
+    _warn_unknown(bf16, BF16_KEYS, "bf16.")
     auto_fp16 = bool(facts.arguments.get("fp16", facts.param_dtype == "float16"))
     auto_bf16 = bool(facts.arguments.get("bf16", facts.param_dtype == "bfloat16"))
     fp16_on = _bool(_get(fp16, "enabled", False, auto_fp16), "fp16.enabled")
@@ -232,7 +236,17 @@ def _scheduler(section: object) -> dict | None:
         return None
     if not isinstance(section, dict) or section.get("type") not in SCHEDULERS:
         raise ValueError(f"zero config: scheduler.type must be one of {SCHEDULERS}, got {section!r}")
-    return {"type": section["type"], "params": dict(section.get("params", {}))}
+    params = section.get("params", {})
+    if not isinstance(params, dict):
+        raise ValueError(f"zero config: scheduler.params must be an object, got {params!r}")
+    _warn_unknown(params, SCHEDULER_PARAMS, "scheduler.params.")
+    for key in ("warmup_min_lr", "warmup_max_lr"):
+        if key in params and params[key] != AUTO:
+            _float(params[key], f"scheduler.params.{key}")
+    for key in ("warmup_num_steps", "total_num_steps"):
+        if key in params and params[key] != AUTO:
+            _int(params[key], f"scheduler.params.{key}", 1)
+    return {"type": section["type"], "params": dict(params)}
 
 
 def _activation_checkpointing(section: object) -> dict | None:
