@@ -222,7 +222,9 @@ def forwarded_worker(rank: int, world_size: int, init_method: str) -> None:
     world = dist.group.WORLD
     assert isinstance(world, ProcessGroupRingcomm) and dist.get_backend() == "ringcomm", f"rank {rank}: {world!r}"
     assert world.group_name and world.name() == "ringcomm", f"rank {rank}: {world.group_name=} {world.name()=}"
+    check_transport(rank)
     gloo = dist.new_group(backend="gloo")
+    p2p_across_collectives(rank, world_size)
     ours, theirs = forwarded_calls(rank, world_size), forwarded_calls(rank, world_size, group=gloo)
     for index, (got, want) in enumerate(zip(ours, theirs)):
         same = all(torch.equal(g, w) for g, w in zip(got, want))
@@ -236,6 +238,20 @@ def forwarded_worker(rank: int, world_size: int, init_method: str) -> None:
     objects = [None] * world_size
     dist.all_gather_object(objects, {"rank": rank})
     assert objects == [{"rank": r} for r in range(world_size)], f"rank {rank}: all_gather_object {objects}"
+
+
+def p2p_across_collectives(rank: int, world_size: int) -> None:
+    """A user's irecv (tag 0) pending while all_reduce runs: the torch_dist ring's own
+    tag-0 transfers must not land in it (the ring rides a gloo group of its own)."""
+    left, right = (rank - 1) % world_size, (rank + 1) % world_size
+    received = torch.empty(4)
+    pending = dist.irecv(received, left, tag=0)
+    tensor = torch.full((4096,), float(rank))
+    dist.all_reduce(tensor)
+    dist.isend(torch.full((4,), -1.0 - rank), right, tag=0).wait()
+    pending.wait()
+    assert torch.all(tensor == sum(range(world_size))), f"rank {rank}: all_reduce beside a pending irecv: {tensor[:4]}"
+    assert torch.all(received == -1.0 - left), f"rank {rank}: irecv got {received}, not rank {left}'s message"
 
 
 def forwarded_calls(rank: int, world_size: int, **group_kw) -> list[list[torch.Tensor]]:
@@ -266,9 +282,9 @@ def forwarded_calls(rank: int, world_size: int, **group_kw) -> list[list[torch.T
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_forwarded_calls_match_gloo(world_size: int, tmp_path) -> None:
-    run_ranks(forwarded_worker, world_size, f"file://{tmp_path}/rdv", timeout=50)
+@pytest.mark.parametrize("world_size,transport", [(2, "shm"), (3, "torch_dist")])
+def test_forwarded_calls_match_gloo(world_size: int, transport: str, tmp_path) -> None:
+    run_ranks(forwarded_worker, world_size, f"file://{tmp_path}/rdv", timeout=50, env={"RINGCOMM_TRANSPORT": transport})
 
 
 # ---- async Works complete in launch order, forwarded ones included ----
