@@ -3,6 +3,9 @@
 #include "reduce.h"
 
 #include <algorithm>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 #include <type_traits>
 
 namespace ringcomm {
@@ -24,21 +27,61 @@ template <typename T> inline T store(typename Accumulate<T>::Type v) {
 
 // Integer sum and product wrap around (as torch's do) instead of overflowing
 // into undefined behaviour; float min/max propagate NaN (as torch.maximum).
-template <typename A> inline A combine_sum(A a, A b) {
-  if constexpr (std::is_integral_v<A>) return static_cast<A>(static_cast<std::make_unsigned_t<A>>(a) + static_cast<std::make_unsigned_t<A>>(b));
-  else return a + b;
+// Functor types (not function pointers) so that the loops inline and vectorize.
+struct Sum {
+  template <typename A> A operator()(A a, A b) const {
+    if constexpr (std::is_integral_v<A>) return static_cast<A>(static_cast<std::make_unsigned_t<A>>(a) + static_cast<std::make_unsigned_t<A>>(b));
+    else return a + b;
+  }
+};
+struct Product {
+  template <typename A> A operator()(A a, A b) const {
+    if constexpr (std::is_integral_v<A>) return static_cast<A>(static_cast<std::make_unsigned_t<A>>(a) * static_cast<std::make_unsigned_t<A>>(b));
+    else return a * b;
+  }
+};
+struct Min {
+  template <typename A> A operator()(A a, A b) const {
+    if constexpr (std::is_integral_v<A>) return a < b ? a : b;
+    else return (a < b || a != a) ? a : b;
+  }
+};
+struct Max {
+  template <typename A> A operator()(A a, A b) const {
+    if constexpr (std::is_integral_v<A>) return a > b ? a : b;
+    else return (a > b || a != a) ? a : b;
+  }
+};
+
+// Widen a block of T into its accumulator type, and narrow it back (rounding
+// once). float16 uses F16C vector conversions where the target has them: the
+// compiler's _Float16 conversions are scalar bit manipulation.
+template <typename T, typename A>
+inline void widen(const T* src, A* out, int64_t len) {
+#if defined(__F16C__)
+  if constexpr (std::is_same_v<T, Half>) {
+    int64_t i = 0;
+    for (; i + 8 <= len; i += 8)
+      _mm256_store_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+    for (; i < len; ++i) out[i] = _cvtsh_ss(reinterpret_cast<const uint16_t*>(src)[i]);
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < len; ++i) out[i] = load(src[i]);
 }
-template <typename A> inline A combine_product(A a, A b) {
-  if constexpr (std::is_integral_v<A>) return static_cast<A>(static_cast<std::make_unsigned_t<A>>(a) * static_cast<std::make_unsigned_t<A>>(b));
-  else return a * b;
-}
-template <typename A> inline A combine_min(A a, A b) {
-  if constexpr (std::is_integral_v<A>) return a < b ? a : b;
-  else return (a < b || a != a) ? a : b;
-}
-template <typename A> inline A combine_max(A a, A b) {
-  if constexpr (std::is_integral_v<A>) return a > b ? a : b;
-  else return (a > b || a != a) ? a : b;
+
+template <typename T, typename A>
+inline void narrow(const A* acc, T* dst, int64_t len) {
+#if defined(__F16C__)
+  if constexpr (std::is_same_v<T, Half>) {
+    int64_t i = 0;
+    for (; i + 8 <= len; i += 8)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_cvtps_ph(_mm256_load_ps(acc + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < len; ++i) reinterpret_cast<uint16_t*>(dst)[i] = _cvtss_sh(acc[i], _MM_FROUND_TO_NEAREST_INT);
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < len; ++i) dst[i] = store<T>(acc[i]);
 }
 
 template <typename T, typename Combine>
@@ -47,34 +90,37 @@ void reduce_blocks(T* dst, const T* const* srcs, int num_srcs, int64_t numel, Co
   using A = typename Accumulate<T>::Type;
   constexpr int64_t kBlock = 1024;
   alignas(64) A acc[kBlock];
+  alignas(64) A next[kBlock];
   const A scale_divisor = static_cast<A>(divisor);
   for (int64_t begin = 0; begin < numel; begin += kBlock) {
     const int64_t len = std::min(kBlock, numel - begin);
-    const T* first = srcs[0] + begin;
-    for (int64_t i = 0; i < len; ++i) acc[i] = load(first[i]);
+    widen(srcs[0] + begin, acc, len);
     for (int s = 1; s < num_srcs; ++s) {
-      const T* src = srcs[s] + begin;
-      for (int64_t i = 0; i < len; ++i) acc[i] = combine(acc[i], load(src[i]));
+      if constexpr (std::is_same_v<T, A>) {
+        const T* src = srcs[s] + begin;
+        for (int64_t i = 0; i < len; ++i) acc[i] = combine(acc[i], src[i]);
+      } else {
+        widen(srcs[s] + begin, next, len);
+        for (int64_t i = 0; i < len; ++i) acc[i] = combine(acc[i], next[i]);
+      }
     }
     if (average) {
       for (int64_t i = 0; i < len; ++i) acc[i] = acc[i] / scale_divisor;
     }
-    T* out = dst + begin;
-    for (int64_t i = 0; i < len; ++i) out[i] = store<T>(acc[i]);
+    narrow(acc, dst + begin, len);
   }
 }
 
 template <typename T>
 void reduce_typed(void* dst, const void* const* srcs, int num_srcs, int64_t numel, RedOp op, int64_t divisor) {
-  using A = typename Accumulate<T>::Type;
   auto* out = static_cast<T*>(dst);
   auto* in = reinterpret_cast<const T* const*>(srcs);
   switch (op) {
-    case RedOp::kSum: return reduce_blocks(out, in, num_srcs, numel, combine_sum<A>, false, 1);
-    case RedOp::kAvg: return reduce_blocks(out, in, num_srcs, numel, combine_sum<A>, true, divisor);
-    case RedOp::kProduct: return reduce_blocks(out, in, num_srcs, numel, combine_product<A>, false, 1);
-    case RedOp::kMin: return reduce_blocks(out, in, num_srcs, numel, combine_min<A>, false, 1);
-    case RedOp::kMax: return reduce_blocks(out, in, num_srcs, numel, combine_max<A>, false, 1);
+    case RedOp::kSum: return reduce_blocks(out, in, num_srcs, numel, Sum{}, false, 1);
+    case RedOp::kAvg: return reduce_blocks(out, in, num_srcs, numel, Sum{}, true, divisor);
+    case RedOp::kProduct: return reduce_blocks(out, in, num_srcs, numel, Product{}, false, 1);
+    case RedOp::kMin: return reduce_blocks(out, in, num_srcs, numel, Min{}, false, 1);
+    case RedOp::kMax: return reduce_blocks(out, in, num_srcs, numel, Max{}, false, 1);
   }
 }
 
