@@ -48,8 +48,8 @@ def check_memory_and_wire(rank: int, world_size: int, stage: int, dtype_name: st
     for step in range(2):
         train_step(engine, rank, step)
     group = engine.parts.group
-    assert group.last_num_overlapped == len(group.units) > 1, \
-        f"{case}: {group.last_num_overlapped} of {len(group.units)} buckets reduced during backward"
+    assert group.reducer.last_num_overlapped == len(group.units) > 1, \
+        f"{case}: {group.reducer.last_num_overlapped} of {len(group.units)} buckets reduced during backward"
     report = engine.memory_report()
     padding = len(engine.parts.group.units) * world_size  # elements added to split units evenly
     expected = PAPER[stage](world_size) * psi

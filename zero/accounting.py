@@ -48,4 +48,4 @@ def memory_report(group: ParamGroup, optimizer: torch.optim.Optimizer, gathered_
     states = [t for state in optimizer.state.values() for t in state.values()
               if isinstance(t, torch.Tensor) and t.dim() > 0]
     optimizer_nbytes = storages.nbytes(u.master for u in group.units) + storages.nbytes(states)
-    return MemoryReport(params, grads, optimizer_nbytes, group.peak_transient_nbytes + gathered_nbytes)
+    return MemoryReport(params, grads, optimizer_nbytes, group.reducer.peak_transient_nbytes + gathered_nbytes)

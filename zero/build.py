@@ -13,11 +13,12 @@ from ringcomm.layout import BufferLayout, plan_buckets
 
 from . import config as config_mod
 from . import optim
-from .comm import make_comm
+from .comm import Comm, RingComm, make_comm
 from .engine import EngineParts, ZeroEngine
 from .gather import UnitGatherer
 from .param_group import ParamGroup
-from .unit import build_units
+from .reducer import BucketReducer, FlatBufferReducer, GradReducer
+from .unit import Unit, build_units, units_on_buffer
 from .partition import ParamSlot, UnitPlan, module_units
 from .precision import make_scaler
 
@@ -115,6 +116,27 @@ def _module_of(plan: UnitPlan, groups: list[list[int]], modules: list[nn.Module]
     return next(m for g, m in zip(groups, modules) if first in g)
 
 
+def flat_buffer_reducer(params: list[nn.Parameter], names: list[str], cfg: config_mod.EngineConfig,
+                        comm: Comm) -> tuple[list[Unit], GradReducer]:
+    """Stages 0-1 on ringcomm: a FlatBuffer in the group's shared memory owns the
+    parameters and gradients; a BucketScheduler averages its buckets."""
+    from ringcomm import ReduceOp
+    from ringcomm.buffer import FlatBuffer, transport_allocator
+    from ringcomm.overlap import BucketScheduler
+
+    group = comm.group
+    buffer = FlatBuffer(params, world_size=comm.world_size, views_for=("grad", "data"),
+                        bucket_bytes=cfg.zero.reduce_bucket_size * params[0].element_size(),
+                        allocate=transport_allocator(group))
+    kind = "reduce_scatter" if cfg.zero.policy.shard_optimizer else "all_reduce"
+    scheduler = BucketScheduler([buffer], group, mode=kind, op=ReduceOp.AVG, overlap=cfg.zero.overlap_comm,
+                                find_unused_parameters=True)
+    units = units_on_buffer(buffer, units_from_layout(buffer.layout), params, comm.rank, comm)
+    reducer = FlatBufferReducer(buffer, scheduler, comm, kind)
+    reducer.named_params = list(zip(names, params))
+    return units, reducer
+
+
 def make_optimizer(optimizer, model_parameters, params: list[nn.Parameter],
                    cfg: config_mod.EngineConfig) -> torch.optim.Optimizer:
     if optimizer is not None:
@@ -155,10 +177,15 @@ def build_engine(model: nn.Module, optimizer=None, model_parameters=None, lr_sch
     comm = make_comm(comm_backend or cfg.comm_backend or "ringcomm")
     comm.overlap = cfg.zero.overlap_comm
     plans, owners = plan_units(model, params, cfg, world_size)
-    units = build_units(params, plans, rank, comm)
-    group = ParamGroup(units, cfg.zero.policy, comm)
+    if isinstance(comm, RingComm) and not cfg.zero.policy.shard_grads:
+        names = {id(p): name for name, p in model.named_parameters()}
+        units, reducer = flat_buffer_reducer(params, [names[id(p)] for p in params], cfg, comm)
+    else:
+        units = build_units(params, plans, rank, comm)
+        reducer = BucketReducer(units, cfg.zero.policy, comm)
+    group = ParamGroup(units, cfg.zero.policy, comm, reducer)
     optim.rebind(optimizer, params, group.setup_masters())
-    group.register_grad_hooks()
+    reducer.register()
     gatherer = None
     if cfg.zero.policy.shard_params:
         gatherer = UnitGatherer({m: u for m, u in zip(owners, units) if m is not None}, comm,

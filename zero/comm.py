@@ -35,7 +35,8 @@ class Comm:
         self.sent_nbytes = 0
         self.overlap = True  # zero_optimization.overlap_comm: False runs every collective inline
 
-    def _count(self, kind: str, tensor: torch.Tensor) -> None:
+    def count(self, kind: str, tensor: torch.Tensor) -> None:
+        """Adds the ring volume this rank sends for `kind` over `tensor` (full size)."""
         self.sent_nbytes += wire_numel(kind, tensor.numel(), self.world_size) * tensor.element_size()
 
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = False) -> Handle:
@@ -43,7 +44,7 @@ class Comm:
         if self.world_size == 1:
             return _Done()
         async_op = async_op and self.overlap
-        self._count("all_reduce", tensor)
+        self.count("all_reduce", tensor)
         return self._all_reduce(tensor, async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Handle:
@@ -53,7 +54,7 @@ class Comm:
                 output.copy_(input)
             return _Done()
         async_op = async_op and self.overlap
-        self._count("reduce_scatter", input)
+        self.count("reduce_scatter", input)
         return self._reduce_scatter(output, input, async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Handle:
@@ -62,7 +63,7 @@ class Comm:
                 output.copy_(input)
             return _Done()
         async_op = async_op and self.overlap
-        self._count("all_gather", output)
+        self.count("all_gather", output)
         return self._all_gather(output, input, async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:

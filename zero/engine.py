@@ -67,11 +67,8 @@ class ZeroEngine:
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Scales the loss (loss scale / accumulation steps), back-propagates and
         reduces the gradients (overlapped with backward by the bucket hooks)."""
-        group = self.parts.group
-        group.boundary = self.is_gradient_accumulation_boundary()
         scale = self.parts.scaler.scale / self.gradient_accumulation_steps()
-        (loss.float() * scale).backward()
-        group.finish_backward()
+        self.parts.group.reducer.backward(loss.float() * scale, self.is_gradient_accumulation_boundary())
         return loss
 
     def step(self) -> None:

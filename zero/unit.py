@@ -80,3 +80,20 @@ def build_units(params: list[nn.Parameter], plans: tuple[UnitPlan, ...], rank: i
         unit.bind_params()
         units.append(unit)
     return units
+
+
+def units_on_buffer(buffer, plans: tuple[UnitPlan, ...], params: list[nn.Parameter], rank: int,
+                    comm: Comm) -> list[Unit]:
+    """Units that are views of a ringcomm FlatBuffer holding `params` (data and
+    gradients), one per bucket of its layout (rank 0's values win)."""
+    units = []
+    for bucket, plan in enumerate(plans):
+        full = buffer.bucket_view(bucket, "data")
+        comm.broadcast(full, 0)
+        unit = Unit(plan, [params[slot.index] for slot in plan.slots], full,
+                    buffer.shard_view(bucket, rank, "data"), rank)
+        unit.grad = buffer.bucket_view(bucket, "grad")
+        unit.bind_params()  # the same memory FlatBuffer bound
+        units.append(unit)
+    return units
+
