@@ -169,6 +169,7 @@ class FlatBufferReducer:
         self.kind = kind  # "reduce_scatter" | "all_reduce": counted as wire bytes
         self.peak_transient_nbytes = 0  # the buffer's gradients are persistent, counted as gradients
         self.last_num_overlapped = 0
+        self.last_report = None
         self.named_params: list = []
 
     def register(self) -> None:
@@ -180,8 +181,9 @@ class FlatBufferReducer:
                 scaled_loss.backward()
             return
         scaled_loss.backward()
-        report = self.scheduler.finish()
-        self.last_num_overlapped = report.num_buckets
+        self.last_report = self.scheduler.finish()  # ringcomm's OverlapReport: comm time hidden by backward
+        # BucketScheduler launches each bucket from the hook of its last gradient when overlapping
+        self.last_num_overlapped = self.last_report.num_buckets if self.scheduler.overlap else 0
         for bucket in range(len(self.buffer.layout.buckets)):
             self.comm.count(self.kind, self.buffer.bucket_view(bucket))
 
