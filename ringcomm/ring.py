@@ -13,7 +13,7 @@ import torch
 
 from . import schedule
 from .kernels import reduce_into
-from .ops import ReduceOp
+from .ops import LOW_PRECISION, ReduceOp
 
 
 class Transfer(Protocol):
@@ -31,53 +31,72 @@ class Link(Protocol):
     def start(self, send: torch.Tensor | None, recv: torch.Tensor | None, *, op: str, step: int) -> Transfer: ...
 
 
-def _start_step(link: Link, data: torch.Tensor, recv_into: torch.Tensor, step: schedule.RingStep,
-                chunks: tuple[schedule.Span, ...], segment_numel: int, op: str) -> list[tuple[schedule.Span | None, Transfer]]:
-    """Posts every segment of one ring step; returns (received segment, transfer) pairs."""
-    send_chunk, recv_chunk = chunks[step.send_chunk], chunks[step.recv_chunk]
+def _start_step(link: Link, send: torch.Tensor, recv: torch.Tensor, segment_numel: int, name: str,
+                step: int) -> list[tuple[schedule.Span | None, Transfer]]:
+    """Posts every segment of one step (`send` and `recv` are whole chunks);
+    returns (received segment, transfer) pairs in order."""
     transfers = []
-    for send_seg, recv_seg in zip_longest(schedule.segments(send_chunk, segment_numel),
-                                          schedule.segments(recv_chunk, segment_numel)):
-        send = data[send_seg.begin:send_seg.end] if send_seg else None
-        recv = None
-        if recv_seg:
-            offset = recv_seg.begin - recv_chunk.begin
-            recv = recv_into[offset:offset + recv_seg.numel]
-        transfers.append((recv_seg, link.start(send, recv, op=op, step=step.step)))
+    for send_seg, recv_seg in zip_longest(schedule.segments(schedule.Span(0, send.numel()), segment_numel),
+                                          schedule.segments(schedule.Span(0, recv.numel()), segment_numel)):
+        transfers.append((recv_seg, link.start(send[send_seg.begin:send_seg.end] if send_seg else None,
+                                               recv[recv_seg.begin:recv_seg.end] if recv_seg else None,
+                                               op=name, step=step)))
     return transfers
 
 
-def reduce_scatter(link: Link, data: torch.Tensor, chunks: tuple[schedule.Span, ...], op: ReduceOp,
-                   segment_numel: int, *, name: str = "reduce_scatter") -> None:
-    """In place on `data`: afterwards data[chunks[rank]] holds that chunk reduced over all ranks.
-    Other chunks of `data` hold partial results."""
+def _finish_sends(transfers: list[tuple[schedule.Span | None, Transfer]]) -> None:
+    for _, transfer in transfers:
+        transfer.wait_send()
+
+
+def reduce_scatter(link: Link, input: torch.Tensor, chunks: tuple[schedule.Span, ...], op: ReduceOp,
+                   segment_numel: int, output: torch.Tensor, *, name: str = "reduce_scatter") -> None:
+    """`output` becomes chunk `rank` of `input` reduced over all ranks; `input` is
+    left as it is. Partial sums travel in two ping-pong buffers of one chunk; for
+    16-bit inputs they are float32, so the result is rounded once."""
+    acc_dtype = torch.float32 if input.dtype in LOW_PRECISION else input.dtype
+
+    def widen(t: torch.Tensor) -> torch.Tensor:
+        return t if t.dtype == acc_dtype else t.to(acc_dtype)
+
+    own = chunks[link.rank]
     steps = schedule.reduce_scatter_steps(link.rank, link.world_size)
-    scratch = torch.empty(max(c.numel for c in chunks), dtype=data.dtype, device=data.device)
+    if not steps:
+        reduce_into(output, [input[own.begin:own.end]], op, 1)
+        return
+    width = max(c.numel for c in chunks)
+    buffers = (torch.empty(width, dtype=acc_dtype, device=input.device),
+               torch.empty(width, dtype=acc_dtype, device=input.device))
     for step in steps:
+        send_chunk, recv_chunk = chunks[step.send_chunk], chunks[step.recv_chunk]
+        send = widen(input[send_chunk.begin:send_chunk.end]) if step.step == 0 else \
+            buffers[(step.step - 1) % 2][:send_chunk.numel]
+        partial = buffers[step.step % 2][:recv_chunk.numel]
         last = step.step == len(steps) - 1
         step_op = op if last or op != ReduceOp.AVG else ReduceOp.SUM
-        transfers = _start_step(link, data, scratch, step, chunks, segment_numel, name)
-        recv_chunk = chunks[step.recv_chunk]
-        for recv_seg, transfer in transfers:
+        transfers = _start_step(link, send, partial, segment_numel, name, step.step)
+        for seg, transfer in transfers:
             transfer.wait_recv()
-            if recv_seg is not None:
-                mine = data[recv_seg.begin:recv_seg.end]
-                offset = recv_seg.begin - recv_chunk.begin
-                reduce_into(mine, [mine, scratch[offset:offset + recv_seg.numel]], step_op, link.world_size)
-        for _, transfer in transfers:
-            transfer.wait_send()
-    if not steps and op == ReduceOp.AVG:
-        own = chunks[link.rank]
-        reduce_into(data[own.begin:own.end], [data[own.begin:own.end]], op, 1)
+            if seg is None:
+                continue
+            mine = input[recv_chunk.begin + seg.begin:recv_chunk.begin + seg.end]
+            received = partial[seg.begin:seg.end]
+            if last and acc_dtype == input.dtype:
+                reduce_into(output[seg.begin:seg.end], [mine, received], step_op, link.world_size)
+                continue
+            reduce_into(received, [widen(mine), received], step_op, link.world_size)
+            if last:
+                output[seg.begin:seg.end].copy_(received)  # float32 -> 16-bit: the one rounding
+        _finish_sends(transfers)
 
 
 def all_gather(link: Link, data: torch.Tensor, chunks: tuple[schedule.Span, ...], segment_numel: int, *,
                name: str = "all_gather") -> None:
     """In place on `data`: rank r's chunk r is forwarded around the ring into every rank's `data`."""
     for step in schedule.all_gather_steps(link.rank, link.world_size):
-        recv_chunk = chunks[step.recv_chunk]
-        transfers = _start_step(link, data, data[recv_chunk.begin:recv_chunk.end], step, chunks, segment_numel, name)
+        send_chunk, recv_chunk = chunks[step.send_chunk], chunks[step.recv_chunk]
+        transfers = _start_step(link, data[send_chunk.begin:send_chunk.end], data[recv_chunk.begin:recv_chunk.end],
+                                segment_numel, name, step.step)
         for _, transfer in transfers:
             transfer.wait_recv()
-        for _, transfer in transfers:
-            transfer.wait_send()
+        _finish_sends(transfers)

@@ -146,24 +146,17 @@ class TorchDistTransport:
         self._check_call("all_reduce", input, input.numel(), redop=int(op))
         chunks = schedule.chunk_bounds(input.numel(), self.world_size)
         own = chunks[self.rank]
-        if input.dtype in LOW_PRECISION:  # accumulate in float32, round once
-            work = input.to(torch.float32)
-            ring.reduce_scatter(self._link, work, chunks, op, self._segment_numel(work), name="all_reduce")
-            output[own.begin:own.end].copy_(work[own.begin:own.end])
-        else:
-            if output.data_ptr() != input.data_ptr():
-                output.copy_(input)
-            ring.reduce_scatter(self._link, output, chunks, op, self._segment_numel(output), name="all_reduce")
+        # In place is safe: the ring writes output's own chunk only in its last step,
+        # element by element from the same elements of input.
+        ring.reduce_scatter(self._link, input, chunks, op, self._segment_numel(input), output[own.begin:own.end],
+                            name="all_reduce")
         ring.all_gather(self._link, output, chunks, self._segment_numel(output), name="all_reduce")
 
     def reduce_scatter(self, input: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> None:
         input, output = input.view(-1), output.view(-1)
         self._check_call("reduce_scatter", input, output.numel(), redop=int(op))
         chunks = schedule.equal_chunks(output.numel(), self.world_size)
-        own = chunks[self.rank]
-        work = input.to(torch.float32 if input.dtype in LOW_PRECISION else input.dtype, copy=True)
-        ring.reduce_scatter(self._link, work, chunks, op, self._segment_numel(work))
-        output.copy_(work[own.begin:own.end])
+        ring.reduce_scatter(self._link, input, chunks, op, self._segment_numel(input), output)
 
     def all_gather(self, input: torch.Tensor, output: torch.Tensor) -> None:
         input, output = input.view(-1), output.view(-1)
