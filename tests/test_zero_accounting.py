@@ -44,7 +44,9 @@ def check_memory_and_wire(rank: int, world_size: int, stage: int, dtype_name: st
     psi = sum(p.numel() for p in model.parameters())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        engine, *_ = zero.initialize(model=model, config=config(stage, dtype_name), comm_backend=backend)
+        cfg = config(stage, dtype_name)
+        cfg["comm_backend"] = backend  # the config key (zero.initialize's argument would win)
+        engine, *_ = zero.initialize(model=model, config=cfg)
     for step in range(2):
         train_step(engine, rank, step)
     group = engine.parts.group
@@ -56,6 +58,10 @@ def check_memory_and_wire(rank: int, world_size: int, stage: int, dtype_name: st
     assert abs(report.model_state_nbytes - expected) <= 16 * padding, f"{case}: {report} vs paper {expected:.0f} B"
     if stage >= 2:
         assert report.comm_buffer_nbytes > 0, f"{case}: transient buckets are reported apart: {report}"
+    if stage == 3:  # the next units were gathered (prefetched) while one was in use
+        unit_nbytes = max(u.plan.padded_numel for u in group.units) * 2
+        assert engine.parts.gatherer.peak_live_nbytes > unit_nbytes, f"{case}: no prefetch"
+    assert engine.parts.comm.kind == ("torch" if backend == "torch" else "ringcomm"), case
     sent_elements = engine.wire_report() / 2  # fp16 / bf16 elements
     expected_wire = WIRE[stage] * psi * (world_size - 1) / world_size
     assert abs(sent_elements - expected_wire) <= 3 * padding + 16, f"{case}: sent {sent_elements} vs {expected_wire}"
