@@ -11,32 +11,10 @@
 
 #include "reduce.h"
 #include "shm.h"
+#include "shm_plan.h"
 
 namespace ringcomm {
 namespace {
-
-struct Span {
-  int64_t begin;
-  int64_t numel;
-};
-
-// Chunk `index` of `numel` elements split over `parts` (the first numel %
-// parts chunks get one more element); matches ringcomm.schedule.chunk_bounds.
-Span balanced_chunk(int64_t numel, int parts, int index) {
-  const int64_t base = numel / parts, extra = numel % parts;
-  return Span{index * base + (index < extra ? index : extra), base + (index < extra ? 1 : 0)};
-}
-
-// Segment k of a chunk, `segment_numel` elements each (the last may be short or empty).
-Span segment_of(Span chunk, int64_t k, int64_t segment_numel) {
-  const int64_t offset = k * segment_numel;
-  const int64_t left = chunk.numel - offset;
-  return Span{chunk.begin + offset, left <= 0 ? 0 : (left < segment_numel ? left : segment_numel)};
-}
-
-int64_t num_segments(int64_t numel, int64_t segment_numel) {
-  return numel <= 0 ? 1 : (numel + segment_numel - 1) / segment_numel;
-}
 
 void check_numel(const char* op, int64_t numel) {
   if (numel < 0) throw std::invalid_argument(std::string(op) + ": numel=" + std::to_string(numel) + " < 0");

@@ -13,21 +13,9 @@
 
 #include "reduce.h"
 #include "shm.h"
+#include "shm_plan.h"
 
 namespace ringcomm {
-namespace {
-
-struct Span {
-  int64_t begin;
-  int64_t numel;
-};
-
-Span balanced_chunk(int64_t numel, int parts, int index) {
-  const int64_t base = numel / parts, extra = numel % parts;
-  return Span{index * base + (index < extra ? index : extra), base + (index < extra ? 1 : 0)};
-}
-
-}  // namespace
 
 void ShmComm::register_window(int64_t id, const std::vector<uintptr_t>& bases, const std::vector<int64_t>& nbytes) {
   if (static_cast<int>(bases.size()) != world_size_ || static_cast<int>(nbytes.size()) != world_size_)
