@@ -182,7 +182,11 @@ def build_engine(model: nn.Module, optimizer=None, model_parameters=None, lr_sch
         units, reducer = flat_buffer_reducer(params, [names[id(p)] for p in params], cfg, comm)
     else:
         units = build_units(params, plans, rank, comm)
-        reducer = BucketReducer(units, cfg.zero.policy, comm)
+        # gradients become ready in reverse forward order: stage 0-2 buckets are laid out
+        # that way already; stage 3 units follow the modules (forward order), resident last
+        order = units if not cfg.zero.policy.shard_params else \
+            [u for u in reversed(units) if not u.plan.resident] + [u for u in units if u.plan.resident]
+        reducer = BucketReducer(units, cfg.zero.policy, comm, order)
     group = ParamGroup(units, cfg.zero.policy, comm, reducer)
     optim.rebind(optimizer, params, group.setup_masters())
     reducer.register()

@@ -39,10 +39,12 @@ class GradReducer(Protocol):
 class BucketReducer:
     """zero's own reducer; see the module docstring."""
 
-    def __init__(self, units: list[Unit], policy: ShardingPolicy, comm: Comm) -> None:
+    def __init__(self, units: list[Unit], policy: ShardingPolicy, comm: Comm, launch_order: list[Unit]) -> None:
         self.units = units
         self.policy = policy
         self.comm = comm
+        self.launch_order = launch_order  # see [Note: launch order]
+        self.next_launch = 0
         self.boundary = True
         self.handles: list = []
         self.launched: list[Unit] = []
@@ -80,7 +82,19 @@ class BucketReducer:
         unit.num_ready += 1
         unit.written.add(slot.index)
         if unit.num_ready == len(unit.params) and self._reduce_now():
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """[Note: launch order] Every rank must issue the same collectives in the
+        same order, so units launch in the fixed `launch_order` (their expected
+        gradient-ready order), a unit only once all units before it launched;
+        never in the order gradients happen to arrive on this rank."""
+        while self.next_launch < len(self.launch_order):
+            unit = self.launch_order[self.next_launch]
+            if unit.num_ready < len(unit.params):
+                return
             self.start_reduce(unit)
+            self.next_launch += 1
             self.num_overlapped += 1
 
     def _new_bucket(self, unit: Unit) -> None:
@@ -122,8 +136,9 @@ class BucketReducer:
         reduction, folds transient buckets into the owned accumulators."""
         self.last_num_overlapped, self.num_overlapped = self.num_overlapped, 0
         if self._reduce_now():
-            for unit in self.units:
+            for unit in self.launch_order[self.next_launch:]:
                 self.start_reduce(unit)
+            self.next_launch = 0
         else:
             for unit in self.units:
                 if unit.num_ready < len(unit.params):
