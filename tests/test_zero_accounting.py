@@ -38,13 +38,15 @@ def train_step(engine, rank: int, step: int) -> None:
     engine.step()
 
 
-def check_memory_and_wire(rank: int, world_size: int, stage: int, dtype_name: str, backend: str) -> None:
-    case = f"rank {rank}/{world_size} stage {stage} {dtype_name} {backend}"
+def check_memory_and_wire(rank: int, world_size: int, stage: int, dtype_name: str, backend: str,
+                          reducer: str = "bucket") -> None:
+    case = f"rank {rank}/{world_size} stage {stage} {dtype_name} {backend} {reducer}"
     model = make_mlp()
     psi = sum(p.numel() for p in model.parameters())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cfg = config(stage, dtype_name)
+        cfg["zero_reducer"] = reducer
         cfg["comm_backend"] = backend  # the config key (zero.initialize's argument would win)
         engine, *_ = zero.initialize(model=model, config=cfg)
     for step in range(2):
@@ -138,6 +140,8 @@ def accounting_worker(rank: int, world_size: int) -> list[list[float]]:
         for dtype_name in ("fp16", "bf16"):
             check_memory_and_wire(rank, world_size, stage, dtype_name, "ringcomm")
         check_memory_and_wire(rank, world_size, stage, "bf16", "torch")
+        if stage <= 1:
+            check_memory_and_wire(rank, world_size, stage, "fp16", "ringcomm", "flat_buffer")
     return [check_forced_overflow(rank, world_size, stage) for stage in (0, 1, 2, 3)] + \
         [check_forced_overflow(rank, world_size, 2, static=True)]
 

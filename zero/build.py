@@ -177,7 +177,9 @@ def build_engine(model: nn.Module, optimizer=None, model_parameters=None, lr_sch
     comm = make_comm(comm_backend or cfg.comm_backend or "ringcomm")
     comm.overlap = cfg.zero.overlap_comm
     plans, owners = plan_units(model, params, cfg, world_size)
-    if isinstance(comm, RingComm) and not cfg.zero.policy.shard_grads:
+    if cfg.reducer == "flat_buffer" and comm.kind == "torch":
+        raise ValueError("zero config: zero_reducer 'flat_buffer' runs on ringcomm; comm_backend is 'torch'")
+    if cfg.reducer == "flat_buffer" and isinstance(comm, RingComm):
         names = {id(p): name for name, p in model.named_parameters()}
         units, reducer = flat_buffer_reducer(params, [names[id(p)] for p in params], cfg, comm)
     else:
