@@ -8,6 +8,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+import ringcomm
+
 from .partition import wire_numel
 
 BACKENDS = ("ringcomm", "torch")
@@ -82,21 +84,16 @@ class RingComm(Comm):
         self.group = group
 
     def _all_reduce(self, tensor, async_op):
-        import ringcomm
         return ringcomm.all_reduce(tensor, ringcomm.ReduceOp.SUM, self.group, async_op=async_op) or _Done()
 
     def _reduce_scatter(self, output, input, async_op):
-        import ringcomm
         return ringcomm.reduce_scatter(output, input, ringcomm.ReduceOp.SUM, self.group, async_op=async_op) or _Done()
 
     def _all_gather(self, output, input, async_op):
-        import ringcomm
         return ringcomm.all_gather(output, input, self.group, async_op=async_op) or _Done()
 
     def _broadcast(self, tensor, src):
-        import ringcomm
         ringcomm.broadcast(tensor, src, self.group)
-
 
 
 class TorchComm(Comm):
@@ -143,5 +140,4 @@ def make_comm(backend: str) -> Comm:
         return Comm(rank, world_size)
     if backend == "torch":
         return TorchComm(rank, world_size)
-    import ringcomm
     return RingComm(rank, world_size, ringcomm.default_group())  # ringcomm keeps (and closes) it
