@@ -16,7 +16,8 @@ from zero.partition import ShardingPolicy, make_unit, module_units, wire_numel
 from zero.precision import DynamicLossScaler, ScalerOptions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = os.path.join(os.path.dirname(ROOT), "shared", "configs")
+SHARED = os.path.join(os.path.dirname(ROOT), "shared", "configs")  # the users' files, next to the checkout
+CONFIGS = SHARED if os.path.isdir(SHARED) else os.path.join(ROOT, "tests", "data")  # byte-identical copies
 FACTS = cfg.ModelFacts(world_size=4, param_dtype="float32", hidden_size=64)
 
 
@@ -180,3 +181,10 @@ def test_rebind_keeps_param_groups() -> None:
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     with pytest.raises(ValueError, match="not a trainable parameter"):
         rebind(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), [a], [])
+
+
+@pytest.mark.skipif(not os.path.isdir(SHARED), reason="no ../shared/configs next to this checkout")
+@pytest.mark.parametrize("name", ["ds_zero2_config.json", "ds_zero3_config.json"])
+def test_config_copies_match_the_users_files(name: str) -> None:
+    with open(os.path.join(SHARED, name), "rb") as a, open(os.path.join(ROOT, "tests", "data", name), "rb") as b:
+        assert a.read() == b.read(), f"tests/data/{name} drifted from ../shared/configs/{name}"
