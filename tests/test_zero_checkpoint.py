@@ -55,6 +55,14 @@ def checkpoint_worker(rank: int, world_size: int, directory: str) -> None:
             if rank == 0:
                 states = torch.load(os.path.join(path, "model_states.pt"))
                 assert "embed.weight" in states and states["embed.weight"].shape == (32, 16), f"{case}"
+            resumed.save_16bit_model(save_dir, "model16.bin")
+            dist.barrier()
+            saved = torch.load(os.path.join(save_dir, "model16.bin"))
+            reference = make_model("transformer").state_dict()
+            assert saved.keys() == reference.keys(), f"{case}: {sorted(saved)}"
+            for (name, value), whole in zip(resumed.module.named_parameters(), expected):
+                assert saved[name].shape == reference[name].shape and saved[name].dtype == resumed.parts.dtype, name
+                assert torch.equal(saved[name].float(), whole.to(resumed.parts.dtype).float()), f"{case}: {name}"
             dist.barrier()
 
 

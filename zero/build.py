@@ -202,4 +202,4 @@ def build_engine(model: nn.Module, optimizer=None, model_parameters=None, lr_sch
     scaler = make_scaler(dtype, cfg.scaler)
     names = {id(p): name for name, p in model.named_parameters()}
     return ZeroEngine(EngineParts(model, optimizer, scheduler, cfg, group, gatherer, scaler, comm, dtype,
-                                  [names[id(p)] for p in params]))
+                                  [names[id(p)] for p in params], params))

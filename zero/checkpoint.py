@@ -70,3 +70,22 @@ def load(engine, load_dir: str, tag: str | None = None) -> tuple[str, dict]:
     group.publish_masters()
     group.zero_grads()
     return directory, state["client_state"]
+
+
+def save_16bit_model(engine, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+    """Collective: rank 0 writes the whole module's state_dict in the training
+    dtype (stage 3 gathers the shards), as DeepSpeed's save_16bit_model."""
+    full = engine.full_params_fp32()
+    if engine.parts.comm.rank != 0:
+        return True
+    index = {id(p): i for i, p in enumerate(engine.parts.trainable)}
+    params = dict(engine.module.named_parameters(remove_duplicate=False))
+    state = {}
+    for name, tensor in engine.module.state_dict(keep_vars=True).items():
+        param = params.get(name)
+        if param is not None and id(param) in index:
+            tensor = full[index[id(param)]].to(engine.parts.dtype)
+        state[name] = tensor.detach().clone()
+    os.makedirs(save_dir, exist_ok=True)
+    torch.save(state, os.path.join(save_dir, save_filename))
+    return True

@@ -32,6 +32,7 @@ class EngineParts:
     comm: Comm
     dtype: torch.dtype
     param_names: list[str]
+    trainable: list  # the trainable parameters, in the units' parameter-index order
 
 
 class ZeroEngine:
@@ -163,6 +164,9 @@ class ZeroEngine:
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None) -> tuple[str, dict]:
         return checkpoint.load(self, load_dir, tag)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+        return checkpoint.save_16bit_model(self, save_dir, save_filename)
 
     def wire_report(self) -> int:
         """Bytes this rank sent in the last step (ring volume of its collectives)."""
