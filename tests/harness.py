@@ -79,7 +79,10 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 120.0, env:
             time.sleep(0.005)
         for rank, proc in enumerate(procs):
             if proc.is_alive():
-                os.kill(proc.pid, signal.SIGKILL)
+                try:
+                    os.kill(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:  # it exited just now
+                    pass
                 results.setdefault(rank, ("hung", f"killed after {timeout} s without finishing"))
             proc.join()
     failures = {r: v for r, v in sorted(results.items()) if v[0] != "ok" and not (v[0] == "died" and r in may_die)}
