@@ -9,6 +9,7 @@
 #include <cstring>
 #include <vector>
 
+#include "copy.h"
 #include "reduce.h"
 #include "shm.h"
 #include "shm_plan.h"
@@ -47,7 +48,7 @@ void ShmComm::all_reduce_oneshot(const char* in, char* out, const OpDesc& desc, 
   const DType dt = static_cast<DType>(desc.dtype);
   const int64_t nbytes = desc.numel * element_nbytes(dt);
   char* slot = acquire_slot(step);
-  std::memcpy(slot, in, nbytes);
+  copy_bytes(slot, in, nbytes);
   post(&desc);
   wait_posted(step);
   check_descs(step, desc);
@@ -75,7 +76,7 @@ void ShmComm::all_reduce_twoshot(const char* in, char* out, const OpDesc& desc, 
     for (int peer = 0; peer < world_size_; ++peer) {
       if (peer == rank_) continue;
       const Span seg = segment_of(balanced_chunk(desc.numel, world_size_, peer), k, segment_numel);
-      std::memcpy(slot + peer * part_nbytes, in + seg.begin * esize, seg.numel * esize);
+      copy_bytes(slot + peer * part_nbytes, in + seg.begin * esize, seg.numel * esize);
     }
     post(k == 0 ? &desc : nullptr);
     wait_posted(step);
@@ -89,12 +90,12 @@ void ShmComm::all_reduce_twoshot(const char* in, char* out, const OpDesc& desc, 
     reduce_n(result, srcs.data(), world_size_, own.numel, dt, static_cast<RedOp>(desc.redop), world_size_);
     release();
     post(nullptr);
-    std::memcpy(out + own.begin * esize, result, own.numel * esize);
+    copy_bytes(out + own.begin * esize, result, own.numel * esize);
     wait_posted(step);
     for (int peer = 0; peer < world_size_; ++peer) {
       if (peer == rank_) continue;
       const Span seg = segment_of(balanced_chunk(desc.numel, world_size_, peer), k, segment_numel);
-      std::memcpy(out + seg.begin * esize, slot_data(peer, seq_), seg.numel * esize);
+      copy_bytes(out + seg.begin * esize, slot_data(peer, seq_), seg.numel * esize);
     }
     release();
   }
@@ -125,7 +126,7 @@ void ShmComm::reduce_scatter(uintptr_t input, uintptr_t output, int64_t chunk_nu
     const Span seg = segment_of(Span{0, chunk_numel}, k, segment_numel);
     for (int peer = 0; peer < world_size_; ++peer) {
       if (peer != rank_)
-        std::memcpy(slot + peer * part_nbytes, in + (peer * chunk_numel + seg.begin) * esize, seg.numel * esize);
+        copy_bytes(slot + peer * part_nbytes, in + (peer * chunk_numel + seg.begin) * esize, seg.numel * esize);
     }
     post(k == 0 ? &desc : nullptr);
     wait_posted(step);
@@ -157,14 +158,14 @@ void ShmComm::all_gather(uintptr_t input, uintptr_t output, int64_t chunk_numel,
     step.step = k;
     const Span seg = segment_of(Span{0, chunk_numel}, k, segment_numel);
     char* slot = acquire_slot(step);
-    std::memcpy(slot, in + seg.begin * esize, seg.numel * esize);
+    copy_bytes(slot, in + seg.begin * esize, seg.numel * esize);
     post(k == 0 ? &desc : nullptr);
-    if (own_out != in) std::memcpy(own_out + seg.begin * esize, in + seg.begin * esize, seg.numel * esize);
+    if (own_out != in) copy_bytes(own_out + seg.begin * esize, in + seg.begin * esize, seg.numel * esize);
     wait_posted(step);
     if (k == 0) check_descs(step, desc);
     for (int peer = 0; peer < world_size_; ++peer) {
       if (peer != rank_)
-        std::memcpy(out + (peer * chunk_numel + seg.begin) * esize, slot_data(peer, seq_), seg.numel * esize);
+        copy_bytes(out + (peer * chunk_numel + seg.begin) * esize, slot_data(peer, seq_), seg.numel * esize);
     }
     release();
   }
@@ -189,11 +190,11 @@ void ShmComm::broadcast(uintptr_t buffer, int64_t numel, int dtype, int root, do
     step.step = k;
     const Span seg = segment_of(Span{0, numel}, k, segment_numel);
     char* slot = acquire_slot(step);
-    if (rank_ == root) std::memcpy(slot, data + seg.begin * esize, seg.numel * esize);
+    if (rank_ == root) copy_bytes(slot, data + seg.begin * esize, seg.numel * esize);
     post(k == 0 ? &desc : nullptr);
     wait_posted(step);
     if (k == 0) check_descs(step, desc);
-    if (rank_ != root) std::memcpy(data + seg.begin * esize, slot_data(root, seq_), seg.numel * esize);
+    if (rank_ != root) copy_bytes(data + seg.begin * esize, slot_data(root, seq_), seg.numel * esize);
     release();
   }
 }

@@ -1,0 +1,36 @@
+#include "copy.h"
+
+#include <cstring>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace ringcomm {
+
+void copy_bytes(void* dst, const void* src, int64_t nbytes) {
+  auto* out = static_cast<char*>(dst);
+  const auto* in = static_cast<const char*>(src);
+#if defined(__AVX2__)
+  if (nbytes >= kStreamMinBytes) {
+    const int64_t head = (32 - reinterpret_cast<uintptr_t>(out) % 32) % 32;
+    std::memcpy(out, in, head);
+    int64_t i = head;
+    for (; i + 128 <= nbytes; i += 128) {
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i));
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i + 32));
+      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i + 64));
+      const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i + 96));
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(out + i), a);
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(out + i + 32), b);
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(out + i + 64), c);
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(out + i + 96), d);
+    }
+    _mm_sfence();  // streaming stores are weakly ordered: finish them before any flag is published
+    std::memcpy(out + i, in + i, nbytes - i);
+    return;
+  }
+#endif
+  std::memcpy(out, in, nbytes);
+}
+
+}  // namespace ringcomm
