@@ -31,6 +31,20 @@ class Link(Protocol):
     def start(self, send: torch.Tensor | None, recv: torch.Tensor | None, *, op: str, step: int) -> Transfer: ...
 
 
+class Scratch:
+    """A buffer reused across calls (fresh memory costs a page fault per 4 KiB)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        buffer = self._buffers.get((dtype, device))
+        if buffer is None or buffer.numel() < numel:
+            buffer = torch.empty(numel, dtype=dtype, device=device)
+            self._buffers[(dtype, device)] = buffer
+        return buffer[:numel]
+
+
 def _start_step(link: Link, send: torch.Tensor, recv: torch.Tensor, segment_numel: int, name: str,
                 step: int) -> list[tuple[schedule.Span | None, Transfer]]:
     """Posts every segment of one step (`send` and `recv` are whole chunks);
@@ -50,10 +64,12 @@ def _finish_sends(transfers: list[tuple[schedule.Span | None, Transfer]]) -> Non
 
 
 def reduce_scatter(link: Link, input: torch.Tensor, chunks: tuple[schedule.Span, ...], op: ReduceOp,
-                   segment_numel: int, output: torch.Tensor, *, name: str = "reduce_scatter") -> None:
+                   segment_numel: int, output: torch.Tensor, *, name: str = "reduce_scatter",
+                   scratch: Scratch | None = None) -> None:
     """`output` becomes chunk `rank` of `input` reduced over all ranks; `input` is
     left as it is. Partial sums travel in two ping-pong buffers of one chunk; for
-    16-bit inputs they are float32, so the result is rounded once."""
+    16-bit inputs they are float32, so the result is rounded once. `scratch`
+    keeps those buffers from one call to the next."""
     acc_dtype = torch.float32 if input.dtype in LOW_PRECISION else input.dtype
 
     def widen(t: torch.Tensor) -> torch.Tensor:
@@ -65,8 +81,8 @@ def reduce_scatter(link: Link, input: torch.Tensor, chunks: tuple[schedule.Span,
         reduce_into(output, [input[own.begin:own.end]], op, 1)
         return
     width = max(c.numel for c in chunks)
-    buffers = (torch.empty(width, dtype=acc_dtype, device=input.device),
-               torch.empty(width, dtype=acc_dtype, device=input.device))
+    pair = (scratch or Scratch()).get(2 * width, acc_dtype, input.device)
+    buffers = (pair[:width], pair[width:])
     for step in steps:
         send_chunk, recv_chunk = chunks[step.send_chunk], chunks[step.recv_chunk]
         send = widen(input[send_chunk.begin:send_chunk.end]) if step.step == 0 else \

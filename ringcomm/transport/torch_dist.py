@@ -112,6 +112,7 @@ class TorchDistTransport:
         self.timeout_s = timeout_s
         self.options = options
         self._link = _P2PLink(pg, timeout_s, _Diagnosis(store, self.rank, self.world_size))
+        self._scratch = ring.Scratch()
 
     def supports(self, tensor: torch.Tensor) -> bool:
         return True
@@ -149,14 +150,14 @@ class TorchDistTransport:
         # In place is safe: the ring writes output's own chunk only in its last step,
         # element by element from the same elements of input.
         ring.reduce_scatter(self._link, input, chunks, op, self._segment_numel(input), output[own.begin:own.end],
-                            name="all_reduce")
+                            name="all_reduce", scratch=self._scratch)
         ring.all_gather(self._link, output, chunks, self._segment_numel(output), name="all_reduce")
 
     def reduce_scatter(self, input: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> None:
         input, output = input.view(-1), output.view(-1)
         self._check_call("reduce_scatter", input, output.numel(), redop=int(op))
         chunks = schedule.equal_chunks(output.numel(), self.world_size)
-        ring.reduce_scatter(self._link, input, chunks, op, self._segment_numel(input), output)
+        ring.reduce_scatter(self._link, input, chunks, op, self._segment_numel(input), output, scratch=self._scratch)
 
     def all_gather(self, input: torch.Tensor, output: torch.Tensor) -> None:
         input, output = input.view(-1), output.view(-1)
