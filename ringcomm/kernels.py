@@ -5,7 +5,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import _C
+from . import _C, cuda_kernels
 from .ops import LOW_PRECISION, ReduceOp, dtype_code
 
 
@@ -26,12 +26,14 @@ def reduce_into(dst: torch.Tensor, srcs: Sequence[torch.Tensor], op: ReduceOp, d
         raise ValueError("reduce_into: destination must be contiguous")
     if dst.device.type == "cpu":
         _C.reduce_n(dst.data_ptr(), [s.data_ptr() for s in srcs], dst.numel(), code, int(op), divisor)
+    elif dst.device.type == "cuda" and cuda_kernels.available():
+        cuda_kernels.reduce_into(dst, srcs, op, divisor)
     else:
         dst.copy_(reference_reduce(srcs, op, divisor))
 
 
 def reference_reduce(srcs: Sequence[torch.Tensor], op: ReduceOp, divisor: int = 1) -> torch.Tensor:
-    """Plain-torch reduction with the kernels' semantics (used off CPU, and by the tests)."""
+    """Plain-torch reduction with the kernels' semantics (on devices without ringcomm kernels)."""
     dtype = srcs[0].dtype
     acc_dtype = torch.float32 if dtype in LOW_PRECISION else dtype
     stacked = torch.stack([s.to(acc_dtype) for s in srcs])
