@@ -21,6 +21,8 @@ import tempfile
 import time
 from datetime import timedelta
 
+from models import mlp  # benchmarks/ is on sys.path: this file runs as a script
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -45,13 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_model(args: argparse.Namespace):
-    import torch
-
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(args.layers):
-        layers += [torch.nn.Linear(args.width, args.width), torch.nn.ReLU()]
-    return torch.nn.Sequential(*layers)
+    return mlp(args.layers, args.width)
 
 
 def ringcomm_step(model, scheduler, batch):

@@ -19,6 +19,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from launch import launch  # noqa: E402
+from models import mlp  # noqa: E402
 
 WRAPPERS = ("ddp", "fsdp2")
 BACKENDS = ("gloo", "ringcomm")
@@ -38,13 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_model(args: argparse.Namespace):
-    import torch
-
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(args.layers):
-        layers += [torch.nn.Linear(args.width, args.width), torch.nn.ReLU()]
-    return torch.nn.Sequential(*layers)
+    return mlp(args.layers, args.width)
 
 
 def wrap(name: str, base, pg):
