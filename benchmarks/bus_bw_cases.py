@@ -176,7 +176,7 @@ class Runner:
 
 def format_header(op: str, args, runner: Runner) -> str:
     line = (f"#\n# {op}: {runner.world_size} ranks, {args.datatype}, op {args.op}, ringcomm transport "
-            f"{runner.transport_kind} (buffers: {args.alloc}), {args.iters} iters after {args.warmup_iters} warm-up\n#\n"
+            f"{runner.transport_kind} (buffers: {args.alloc if runner.transport_kind == 'shm' else 'torch'}), {args.iters} iters after {args.warmup_iters} warm-up\n#\n"
             f"# {'':>40}{'out-of-place':>36}{'in-place':>38}\n"
             f"# {'size':>11} {'count':>11} {'type':>8} {'redop':>5} {'backend':>9}"
             f" {'time':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6}"
