@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .collectives import all_gather, reduce_scatter
-from .group import Group, default_group
+from .group import Group, resolve_group
 from .ops import ReduceOp
 from .work import Work
 
@@ -26,7 +26,7 @@ def reduce_scatter_coalesced(outputs: Sequence[torch.Tensor], inputs: Sequence[t
     """For every i, reduce_scatter(outputs[i], inputs[i]) (inputs[i] holds
     world_size * outputs[i].numel() elements), with one collective per bucket
     of at most `bucket_bytes` (None: one bucket per dtype)."""
-    group = group or default_group()
+    group = resolve_group(group, "reduce_scatter_coalesced")
     ws = group.world_size
     _check_lists("reduce_scatter_coalesced", outputs, inputs, ws, group.rank, gather=False)
     pieces = []
@@ -42,7 +42,7 @@ def all_gather_coalesced(outputs: Sequence[torch.Tensor], inputs: Sequence[torch
                          async_op: bool = False, *, bucket_bytes: int | None = None) -> Work | None:
     """For every i, all_gather(outputs[i], inputs[i]) (outputs[i] holds
     world_size * inputs[i].numel() elements), one collective per bucket."""
-    group = group or default_group()
+    group = resolve_group(group, "all_gather_coalesced")
     ws = group.world_size
     _check_lists("all_gather_coalesced", outputs, inputs, ws, group.rank, gather=True)
     pieces = []

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .group import Group, default_group
+from . import aliasing
+from .group import Group, resolve_group
 from .ops import DTYPE_CODES, ReduceOp, dtype_code, to_reduce_op
 from .work import Work
 
@@ -33,7 +34,7 @@ def all_reduce(tensor: torch.Tensor, op: object = ReduceOp.SUM, group: Group | N
                async_op: bool = False, *, output: torch.Tensor | None = None) -> Work | None:
     """`tensor` (or `output`, when given, leaving `tensor` unchanged) becomes the
     reduction of `tensor` over all ranks."""
-    group = group or default_group()
+    group = resolve_group(group, "all_reduce")
     redop = op if type(op) is ReduceOp else to_reduce_op(op, where=f"all_reduce on rank {group.rank}")
     _check("all_reduce", "tensor", tensor, group)
     if output is None:
@@ -44,6 +45,7 @@ def all_reduce(tensor: torch.Tensor, op: object = ReduceOp.SUM, group: Group | N
         if output.numel() != tensor.numel():
             raise ValueError(f"all_reduce: output.numel()={output.numel()} != tensor.numel()={tensor.numel()} "
                              f"on rank {group.rank}")
+        tensor = aliasing.all_reduce_input(tensor, output)
     return group.run("all_reduce", lambda: group.transport.all_reduce(tensor, output, redop), async_op)
 
 
@@ -51,7 +53,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: object = Reduc
                    async_op: bool = False) -> Work | None:
     """torch's reduce_scatter_tensor: input holds world_size chunks of output.numel()
     elements; rank r's output becomes chunk r reduced over all ranks."""
-    group = group or default_group()
+    group = resolve_group(group, "reduce_scatter")
     redop = op if type(op) is ReduceOp else to_reduce_op(op, where=f"reduce_scatter on rank {group.rank}")
     _check("reduce_scatter", "output", output, group)
     _check("reduce_scatter", "input", input, group)
@@ -59,25 +61,27 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: object = Reduc
     if input.numel() != group.world_size * output.numel():
         raise ValueError(f"reduce_scatter: input.numel()={input.numel()} != world_size ({group.world_size}) * "
                          f"output.numel()={output.numel()} on rank {group.rank}")
+    input = aliasing.reduce_scatter_input(output, input, group.rank)
     return group.run("reduce_scatter", lambda: group.transport.reduce_scatter(input, output, redop), async_op)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group | None = None,
                async_op: bool = False) -> Work | None:
     """torch's all_gather_into_tensor: output chunk r becomes rank r's input."""
-    group = group or default_group()
+    group = resolve_group(group, "all_gather")
     _check("all_gather", "output", output, group)
     _check("all_gather", "input", input, group)
     _check_pair("all_gather", output, input, group)
     if output.numel() != group.world_size * input.numel():
         raise ValueError(f"all_gather: output.numel()={output.numel()} != world_size ({group.world_size}) * "
                          f"input.numel()={input.numel()} on rank {group.rank}")
+    input = aliasing.all_gather_input(output, input, group.rank)
     return group.run("all_gather", lambda: group.transport.all_gather(input, output), async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group: Group | None = None, async_op: bool = False) -> Work | None:
     """In place: every rank's `tensor` becomes that of group rank `src`."""
-    group = group or default_group()
+    group = resolve_group(group, "broadcast")
     _check("broadcast", "tensor", tensor, group)
     if not 0 <= src < group.world_size:
         raise ValueError(f"broadcast: src={src} outside the group (world_size {group.world_size}) on rank {group.rank}")
@@ -85,7 +89,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: Group | None = None, as
 
 
 def barrier(group: Group | None = None, async_op: bool = False) -> Work | None:
-    group = group or default_group()
+    group = resolve_group(group, "barrier")
     return group.run("barrier", group.transport.barrier, async_op)
 
 
@@ -94,7 +98,7 @@ def empty(*shape: int, dtype: torch.dtype = torch.float32, group: Group | None =
     uninitialized CPU tensor in memory the group's ranks share, so collectives
     on it, or on views of it, read peers' data in place instead of staging it.
     On a torch_dist group this is plain torch.empty."""
-    group = group or default_group()
+    group = resolve_group(group, "empty")
     if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
         shape = tuple(shape[0])
     dtype_code(dtype, where=f"empty on rank {group.rank}")

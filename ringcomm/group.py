@@ -3,6 +3,7 @@ thread that runs their asynchronous collectives in launch order."""
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import os
 import socket
 import threading
@@ -32,24 +33,39 @@ class GroupOptions:
 
 
 class Group:
-    """Ranks 0..world_size-1 of a ringcomm group and how they talk."""
+    """Ranks 0..world_size-1 of a ringcomm group and how they talk.
 
-    def __init__(self, transport: Transport, pg: dist.ProcessGroup | None, global_ranks: tuple[int, ...]) -> None:
+    [Note: one caller thread] A group's collectives must be issued in the same
+    order on every rank, so one thread at a time issues them (as with NCCL
+    communicators). A call from a second thread while the first one's calls are
+    still in flight (inline or queued on the comm thread) is refused with a
+    RuntimeError; handing a group from one thread to another between calls is
+    fine. Races that leave no call in flight on this rank cannot be seen here.
+    """
+
+    def __init__(self, transport: Transport, global_ranks: tuple[int, ...], *,
+                 owned_pg: dist.ProcessGroup | None = None) -> None:
         self.transport = transport
-        self.pg = pg
         self.rank = transport.rank
         self.world_size = transport.world_size
         self.global_ranks = global_ranks
+        self._owned_pg = owned_pg  # shut down with the group
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._last: concurrent.futures.Future | None = None
         self._lock = threading.Lock()
+        self._closed = False
+        self._caller: threading.Thread | None = None  # see [Note: one caller thread]
+        self._in_flight = 0
 
     def run(self, op: str, fn: Callable[[], None], async_op: bool) -> Work | None:
         """Runs a collective: inline when nothing is queued and the caller waits,
-        else on the group's comm thread after everything launched before it.
-        One thread launches a group's collectives (as with NCCL communicators)."""
-        if not async_op and self._last is None:
-            fn()
+        else on the group's comm thread after everything launched before it."""
+        inline = self._enter(op, async_op)
+        if inline:
+            try:
+                fn()
+            finally:
+                self._leave()
             return None
         timing: list[float] = []
 
@@ -65,53 +81,100 @@ class Group:
                 self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ringcomm-r{self.rank}")
             future = self._executor.submit(timed)
             self._last = future
-        future.add_done_callback(self._forget)
+        future.add_done_callback(self._finished)
         work = Work(future, op, self.rank, timing)
         if not async_op:
             work.wait()
             return None
         return work
 
-    def _forget(self, future: concurrent.futures.Future) -> None:
+    def _enter(self, op: str, async_op: bool) -> bool:
+        """Checks that the group is open and not in use by another thread; counts
+        the call in flight. Returns whether it runs inline."""
+        caller = threading.current_thread()
         with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{op}: rank {self.rank}: {self!r} is closed")
+            if self._in_flight and self._caller is not caller:
+                raise RuntimeError(
+                    f"{op}: rank {self.rank}: called from thread {caller.name!r} while thread {self._caller.name!r} "
+                    f"has {self._in_flight} collective(s) in flight on {self!r}; a group's collectives must come from "
+                    f"one thread at a time, in the same order on every rank (use one group per thread)")
+            self._caller = caller
+            self._in_flight += 1
+            return not async_op and self._last is None
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+
+    def _finished(self, future: concurrent.futures.Future) -> None:
+        with self._lock:
+            self._in_flight -= 1
             if self._last is future:
                 self._last = None
 
     def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Collective: a 1-D tensor that this group's collectives can use without
         staging copies (shared memory on the shm transport; plain memory elsewhere)."""
-        allocate = getattr(self.transport, "allocate", None)
-        if allocate is None:
-            return torch.empty(numel, dtype=dtype)
         result: list[torch.Tensor] = []
-        self.run("allocate", lambda: result.append(allocate(numel, dtype)), async_op=False)
+        self.run("allocate", lambda: result.append(self.transport.allocate(numel, dtype)), async_op=False)
         return result[0]
 
     def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        """Waits for queued work, then releases the transport, the comm thread and
+        any process group made for this group. Later calls raise. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
         self.transport.close()
+        if self._owned_pg is not None:
+            self._owned_pg.shutdown()
+            self._owned_pg = None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def __repr__(self) -> str:
-        return f"ringcomm.Group(rank={self.rank}, world_size={self.world_size}, transport={self.transport.kind})"
+        state = ", closed" if self._closed else ""
+        return (f"ringcomm.Group(rank={self.rank}, world_size={self.world_size}, "
+                f"transport={self.transport.kind}{state})")
 
 
 def create_group(store: dist.Store, rank: int, world_size: int, *, options: GroupOptions,
-                 pg: dist.ProcessGroup | None = None, global_ranks: tuple[int, ...] | None = None) -> Group:
+                 global_ranks: tuple[int, ...] | None = None) -> Group:
     """Collective over the group's ranks: builds the transport, rendezvousing through
-    `store` (a store private to this group). `pg` is the process group torch_dist
-    rides on; without one, a gloo group is made on `store`."""
+    `store` (a store private to this group). A torch_dist transport rides on a
+    gloo group made on `store`, owned (and shut down) by the group."""
     kind = resolve_transport(store, rank, world_size, options.transport)
+    pg = None
     if kind == "shm":
         transport: Transport = ShmTransport.create(dist.PrefixStore("shm/", store), rank, world_size, options.timeout_s,
                                                    options.shm)
     else:
-        if pg is None:
-            pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world_size,
-                                       timedelta(seconds=options.timeout_s))
+        _wait_for_all(store, "torch_dist/arrived", rank, world_size, options.timeout_s)
+        pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world_size,
+                                   timedelta(seconds=options.timeout_s))
         transport = TorchDistTransport(pg, options.timeout_s, options.torch_dist, dist.PrefixStore("torch_dist/", store))
-    return Group(transport, pg, global_ranks or tuple(range(world_size)))
+    return Group(transport, global_ranks or tuple(range(world_size)), owned_pg=pg)
+
+
+def _wait_for_all(store: dist.Store, prefix: str, rank: int, world_size: int, timeout_s: float) -> None:
+    """Every rank checks in under `prefix`; raises naming the ranks that did not
+    within `timeout_s` (gloo's own connect takes longer to give up, and names none)."""
+    store.set(f"{prefix}/{rank}", "1")
+    keys = [f"{prefix}/{r}" for r in range(world_size)]
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+    except Exception as err:  # the store raises its own error type on timeout
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        raise RuntimeError(f"ringcomm group set-up: rank {rank} waited {timeout_s} s for ranks {missing} "
+                           f"(of {world_size}) to create the group; they did not ({err})") from err
 
 
 def resolve_transport(store: dist.Store, rank: int, world_size: int, requested: str) -> str:
@@ -129,23 +192,50 @@ def resolve_transport(store: dist.Store, rank: int, world_size: int, requested: 
 
 def new_group(ranks: list[int] | None = None, *, transport: str = "auto", timeout: float | timedelta = DEFAULT_TIMEOUT_S,
               shm: ShmOptions | None = None, torch_dist: TorchDistOptions | None = None) -> Group | None:
-    """A ringcomm group over `ranks` (default: all) of the initialized default
-    torch.distributed group. Like dist.new_group, every rank must call it, in the
-    same order; ranks outside `ranks` get None. `timeout` (seconds) bounds every
-    wait of every collective of the group."""
+    """A ringcomm group over `ranks` (global ranks; default: all) of the
+    initialized default torch.distributed group. Like dist.new_group, every
+    rank must call it, in the same order, with the same `ranks`; ranks outside
+    `ranks` get None. `timeout` (seconds) bounds every wait of the group's
+    set-up and of each of its collectives."""
     if not dist.is_initialized():
         raise RuntimeError("ringcomm.new_group: call torch.distributed.init_process_group first")
     timeout_s = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
     if timeout_s <= 0:
         raise ValueError(f"ringcomm.new_group: timeout={timeout_s} s must be > 0")
-    options = GroupOptions(transport, timeout_s, shm or ShmOptions(), torch_dist or TorchDistOptions())
-    pg = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=timeout_s))
-    if pg is dist.GroupMember.NON_GROUP_MEMBER:
+    world_size = dist.get_world_size()
+    members = tuple(range(world_size)) if ranks is None else tuple(sorted(set(ranks)))
+    if not members or members[0] < 0 or members[-1] >= world_size or (ranks is not None and len(ranks) != len(members)):
+        raise ValueError(f"ringcomm.new_group: ranks={ranks} must be distinct ranks of the world "
+                         f"(world_size {world_size}) on rank {dist.get_rank()}")
+    index = next(_new_group_calls)
+    if dist.get_rank() not in members:
         return None
-    store = dist.PrefixStore(f"ringcomm/{dist.distributed_c10d._get_group_tag(pg)}/{pg.group_name}/",
-                             dist.distributed_c10d._get_default_store())
-    global_ranks = tuple(dist.get_process_group_ranks(pg))
-    return create_group(store, pg.rank(), pg.size(), options=options, pg=pg, global_ranks=global_ranks)
+    options = GroupOptions(transport, timeout_s, shm or ShmOptions(), torch_dist or TorchDistOptions())
+    store = dist.PrefixStore(f"ringcomm/new_group/{index}/", dist.distributed_c10d._get_default_store())
+    rank = members.index(dist.get_rank())
+    _check_members(store, rank, members, timeout_s)
+    return create_group(store, rank, len(members), options=options, global_ranks=members)
+
+
+# The n-th new_group call of this process; every rank makes the same calls in
+# the same order (as with dist.new_group), so n names the same group everywhere.
+_new_group_calls = itertools.count()
+
+
+def _check_members(store: dist.Store, rank: int, members: tuple[int, ...], timeout_s: float) -> None:
+    """Every member must pass the same ranks: compare with the group's rank 0."""
+    if rank == 0:
+        store.set("members", repr(members))
+        return
+    try:
+        store.wait(["members"], timedelta(seconds=timeout_s))
+    except Exception as err:  # the store raises its own error type on timeout
+        raise RuntimeError(f"ringcomm.new_group: rank {members[rank]} waited {timeout_s} s for global rank "
+                           f"{members[0]} to create group {members}: {err}") from err
+    theirs = store.get("members").decode()
+    if theirs != repr(members):
+        raise ValueError(f"ringcomm.new_group: global rank {members[rank]} called it with ranks {members}, global rank "
+                         f"{members[0]} with {theirs}: every rank must create the same groups in the same order")
 
 
 _default_groups: dict[int, Group] = {}
@@ -153,14 +243,27 @@ _default_groups: dict[int, Group] = {}
 
 def default_group() -> Group:
     """The ringcomm group over the whole default torch.distributed group, made on
-    first use (by the first collective every rank calls with group=None)."""
+    first use (by the first collective every rank calls with group=None). Its
+    timeout is RINGCOMM_TIMEOUT (seconds) when set, else 300 s."""
     if not dist.is_initialized():
         raise RuntimeError("ringcomm: torch.distributed is not initialized; call init_process_group or pass group=")
     world = dist.group.WORLD
     key = id(world)
     if key not in _default_groups:
-        _default_groups[key] = new_group()
+        _default_groups[key] = new_group(timeout=float(os.environ.get("RINGCOMM_TIMEOUT", DEFAULT_TIMEOUT_S)))
     return _default_groups[key]
+
+
+def resolve_group(group: object, op: str) -> Group:
+    """`group` itself, or the default group for None; anything else is refused."""
+    if group is None:
+        return default_group()
+    if isinstance(group, Group):
+        return group
+    hint = ("; a torch.distributed group runs on ringcomm when made with backend='ringcomm' and used through "
+            "torch.distributed's own calls" if isinstance(group, dist.ProcessGroup) else "")
+    raise TypeError(f"{op}: group must be a ringcomm.Group (from ringcomm.new_group) or None, "
+                    f"got {type(group).__name__}{hint}")
 
 
 def destroy_default_group() -> None:

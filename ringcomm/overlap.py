@@ -30,7 +30,7 @@ import torch
 
 from .buffer import FlatBuffer
 from .collectives import all_reduce, broadcast, reduce_scatter
-from .group import Group, default_group
+from .group import Group, resolve_group
 from .launch import EMPTY_REPORT, OverlapReport, StartCollective, StreamLaunch, ThreadLaunch, overlap_report, stream_report
 from .ops import ReduceOp, to_reduce_op
 
@@ -49,14 +49,14 @@ class BucketScheduler:
         if len({b.device.type for b in buffers}) > 1:
             raise ValueError(f"BucketScheduler: buffers on {[str(b.device) for b in buffers]}: use one scheduler per device type")
         self.buffers = list(buffers)
-        self.group = group or default_group()
+        self.group = resolve_group(group, "BucketScheduler")
         for buffer in self.buffers:
             if buffer.world_size != self.group.world_size:
                 raise ValueError(f"BucketScheduler: {buffer} was laid out for world_size {buffer.world_size}, "
                                  f"the group has {self.group.world_size} (rank {self.group.rank})")
         self.mode, self.op = mode, to_reduce_op(op, where="BucketScheduler")
         self.overlap, self.find_unused_parameters = overlap, find_unused_parameters
-        self.timeout_s = timeout if timeout is not None else getattr(self.group.transport, "timeout_s", 300.0) + 5.0
+        self.timeout_s = timeout if timeout is not None else self.group.transport.timeout_s + 5.0
         self._slot_of = {id(p): (b, i) for b, buf in enumerate(self.buffers) for i, p in enumerate(buf.params)}
         self._registration: list[Slot] = [(b, i) for b, buf in enumerate(self.buffers) for i in range(len(buf.params))]
         self._names: dict[Slot, str] = {}

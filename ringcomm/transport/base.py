@@ -19,8 +19,13 @@ class Transport(Protocol):
     kind: str
     rank: int
     world_size: int
+    timeout_s: float
 
     def supports(self, tensor: torch.Tensor) -> bool: ...
+
+    def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Collective: a 1-D tensor its collectives use without staging copies."""
+        ...
 
     def all_reduce(self, input: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> None: ...
 

@@ -1,4 +1,4 @@
-"""Whether a process on this host still runs (for naming dead peers)."""
+"""What a process on this host is doing (for naming dead or stopped peers)."""
 from __future__ import annotations
 
 import os
@@ -6,14 +6,20 @@ import os
 
 def pid_alive(pid: int) -> bool:
     """False once `pid` has exited, also while it is a zombie its parent has not reaped."""
+    return process_state(pid) != "exited"
+
+
+def process_state(pid: int) -> str:
+    """"exited" (gone, or a zombie), "stopped" (SIGSTOP, or traced) or "running"."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return False
+        return "exited"
     except PermissionError:
-        return True
+        return "running"
     try:
         with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+            state = stat.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
-        return True
+        return "running"
+    return {"Z": "exited", "X": "exited", "T": "stopped", "t": "stopped"}.get(state, "running")

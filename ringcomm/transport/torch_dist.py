@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .. import ring, schedule
-from .process import pid_alive
+from .process import process_state
 from ..ops import LOW_PRECISION, ReduceOp, dtype_code
 
 _KINDS = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "broadcast": 4, "barrier": 0}
@@ -93,10 +93,13 @@ class _Diagnosis:
                 if peer == self.rank:
                     continue
                 host, pid = self.store.get(f"proc/{peer}").decode().rsplit(":", 1)
-                if host == self.host and not pid_alive(int(pid)):
+                state = process_state(int(pid)) if host == self.host else None
+                if state == "exited":
                     notes.append(f"rank {peer} (pid {pid}) has exited")
                 elif self.store.check([f"failure/{peer}"]):
                     notes.append(f"rank {peer} reported: {self.store.get(f'failure/{peer}').decode()}")
+                elif state == "stopped":
+                    notes.append(f"rank {peer} (pid {pid}) is stopped")
         except Exception as err:  # the store may have died with its host rank
             notes.append(f"(store unreachable: {err})")
         return "; " + "; ".join(notes) if notes else ""
@@ -116,6 +119,9 @@ class TorchDistTransport:
 
     def supports(self, tensor: torch.Tensor) -> bool:
         return True
+
+    def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype)  # the ring stages nothing: plain memory is as good
 
     def _segment_numel(self, tensor: torch.Tensor) -> int:
         return max(1, self.options.segment_nbytes // tensor.element_size())
