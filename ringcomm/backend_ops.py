@@ -8,8 +8,9 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 
+from . import aliasing
+from .backend_work import JoinedWork
 from .ops import ReduceOp
 from .transport.base import Transport
 
@@ -36,7 +37,7 @@ def broadcast(transport: Transport, tensors: Sequence[torch.Tensor], root: int) 
 
 def all_gather(transport: Transport, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> Body:
     def body() -> None:
-        for output, input in zip(outputs, inputs):
+        for output, input in zip(outputs, aliasing.coalesced_inputs(outputs, inputs, transport.rank, gather=True)):
             transport.all_gather(input, output)
 
     return body
@@ -45,7 +46,7 @@ def all_gather(transport: Transport, outputs: Sequence[torch.Tensor], inputs: Se
 def reduce_scatter(transport: Transport, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
                    op: ReduceOp) -> Body:
     def body() -> None:
-        for output, input in zip(outputs, inputs):
+        for output, input in zip(outputs, aliasing.coalesced_inputs(outputs, inputs, transport.rank, gather=False)):
             transport.reduce_scatter(input, output, op)
 
     return body
@@ -128,12 +129,4 @@ def forward_reduce_scatter_single(backend: dist.ProcessGroup, outputs: Sequence[
 
 
 def _join(works: list[dist.Work], value: list[torch.Tensor]) -> dist.Work:
-    if len(works) == 1:
-        return works[0]
-
-    def values(done: torch.futures.Future) -> list[torch.Tensor]:
-        for future in done.value():
-            future.value()  # re-raises a failed call's error
-        return value
-
-    return _create_work_from_future(torch.futures.collect_all([w.get_future() for w in works]).then(values))
+    return works[0] if len(works) == 1 else JoinedWork(works, value)

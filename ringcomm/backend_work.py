@@ -8,25 +8,82 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 
 from .ops import DTYPE_CODES, ReduceOp, to_reduce_op
-from .work import Work
+from .work import Work, completed_future
 
-def completed_work(value: object) -> dist.Work:
-    """A torch Work that is already done, its future holding `value` (torch wants
-    a Tensor or a list of Tensors there)."""
-    future: torch.futures.Future = torch.futures.Future()
-    future.set_result(value)
-    return _create_work_from_future(future)
+class BackendWork(dist.Work):
+    """The torch Work of one backend call: a ringcomm Work running on the comm
+    thread, or None for a call that already finished inline. wait() re-raises
+    the call's error, is_success()/exception() report it, and the future fails
+    with it (torch's `_create_work_from_future` Works do none of that for a
+    Python future: see [Note: torch futures])."""
+
+    def __init__(self, work: Work | None, value: object) -> None:
+        super().__init__()
+        self._work = work
+        self._value = value
+        self._future = completed_future(value) if work is None else work.get_future(value)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Blocks until the call finished; raises its error. A zero or absent
+        timeout waits as long as the group's own timeout allows."""
+        if self._work is not None:
+            self._work.wait(timeout.total_seconds() if timeout else None)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+    def is_success(self) -> bool:
+        return self.exception() is None
+
+    def exception(self) -> BaseException | None:
+        return None if self._work is None else self._work.exception()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def result(self) -> object:
+        self.wait()
+        return self._value
+
+    def synchronize(self) -> None:
+        self.wait()
 
 
-def torch_work(work: Work | None, value: object) -> dist.Work:
-    """Wraps a ringcomm Work (None: finished inline) as a torch Work whose future
-    holds `value` once the collective is done, or its error."""
-    if work is None:
-        return completed_work(value)
-    return _create_work_from_future(work.get_future(value))
+class JoinedWork(dist.Work):
+    """One torch Work over several Works of a forwarded backend (a coalesced
+    call split per tensor): done when all are, failed when any failed."""
+
+    def __init__(self, works: Sequence[dist.Work], value: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._works = list(works)
+
+        def values(done: torch.futures.Future) -> list[torch.Tensor]:
+            for future in done.value():
+                future.value()  # re-raises a failed call's error
+            return value
+
+        self._future = torch.futures.collect_all([w.get_future() for w in self._works]).then(values)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        for work in self._works:
+            work.wait(timeout) if timeout else work.wait()
+        self._future.wait()  # raises the first failure
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+    def is_success(self) -> bool:
+        return all(w.is_success() for w in self._works)
+
+    def exception(self) -> BaseException | None:
+        return next((w.exception() for w in self._works if w.exception() is not None), None)
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
 
 
 def wait_forwarded(work: dist.Work, op: str, rank: int, timeout_s: float) -> None:

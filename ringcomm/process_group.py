@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions
 
 from . import backend_ops
-from .backend_work import (accelerated_redop, accelerates, is_async, on_cuda, torch_work, use_comm_thread,
+from .backend_work import (BackendWork, accelerated_redop, accelerates, is_async, on_cuda, use_comm_thread,
                            wait_forwarded)
 from .group import GroupOptions, create_group
 
@@ -211,7 +211,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     def _run(self, op: str, fn: Callable[[], None], opts: object, value: object) -> dist.Work:
         """Runs `fn` inline when the caller waits (or see [Note: async calls]) and
         nothing is queued, else on the group's comm thread, in launch order."""
-        return torch_work(self._group.run(op, fn, self._comm_thread and is_async(opts)), value)
+        return BackendWork(self._group.run(op, fn, self._comm_thread and is_async(opts)), value)
 
     def _forward(self, op: str, tensors: Sequence[torch.Tensor], call: Callable[[dist.ProcessGroup], dist.Work],
                  opts: object, value: object = None) -> dist.Work:

@@ -16,6 +16,7 @@ class Work:
         self.op = op
         self.rank = rank
         self._timing = timing if timing is not None else []
+        self._torch_futures: list[torch.futures.Future] = []  # from get_future(), completed by callbacks
 
     @property
     def started_at(self) -> float | None:
@@ -40,24 +41,49 @@ class Work:
             self._future.result(timeout)
         except concurrent.futures.TimeoutError:
             raise RuntimeError(f"{self.op}: rank {self.rank}: Work.wait timed out after {timeout} s") from None
+        for future in self._torch_futures:
+            future.wait()  # their done callbacks may still be running
         return True
 
     def is_completed(self) -> bool:
         return self._future.done()
 
+    def is_success(self) -> bool:
+        """False once the collective failed (and while it runs: True, as torch's Work)."""
+        return self.exception() is None
+
     def exception(self) -> BaseException | None:
         return self._future.exception() if self._future.done() else None
 
     def get_future(self, value: object = None) -> torch.futures.Future:
-        """A torch.futures.Future completed with `value` when this work finishes."""
-        fut: torch.futures.Future = torch.futures.Future()
+        """A torch.futures.Future completed with `value` when this work finishes,
+        or failed with its error (see [Note: torch futures])."""
+        source: torch.futures.Future = torch.futures.Future()
 
         def forward(done: concurrent.futures.Future) -> None:
             error = done.exception()
             if error is not None:
-                fut.set_exception(error)
+                source.set_exception(error)
             else:
-                fut.set_result(value)
+                source.set_result(value)
 
         self._future.add_done_callback(forward)
-        return fut
+        future = source.then(_value_or_raise)
+        self._torch_futures.append(future)
+        return future
+
+
+# [Note: torch futures]
+# torch.futures.Future.set_exception records the error on the Python side only
+# (an unwrap function): C++ readers of that future (the Work made from it, DDP's
+# reducer, FSDP) see success and an exception object for a value. A future
+# completed by a `then` callback that raises carries a real error, which every
+# reader sees.
+def _value_or_raise(source: torch.futures.Future) -> object:
+    return source.value()
+
+
+def completed_future(value: object) -> torch.futures.Future:
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(value)
+    return future
