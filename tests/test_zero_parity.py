@@ -9,16 +9,23 @@ import torch
 import torch.distributed as dist
 
 from harness import run_ranks
-from zero_reference import CLIP, DTYPES, MICRO, STEPS, engine_config, loss_fn, make_batch, make_model, reference_train
+from zero_reference import CLIP, DTYPES, LR, MICRO, STEPS, engine_config, loss_fn, make_batch, make_model, reference_train
 
 import zero
 
-# Tolerances: fp32 differs only by summation order (ranks, micro-batches, buckets).
-# bf16/fp16 gradients are rounded to 8/11 bits before the reduction, and Adam
-# normalizes the update, so one rounding flip moves a parameter by up to ~lr.
-# Parameters are compared by their update: |p - ref| <= tol * |ref - initial| per tensor (L2),
-# plus an elementwise bound for fp32.
-TOLERANCE = {"fp32": (1e-5, 1e-3), "bf16": (3e-2, 0.35), "fp16": (5e-3, 0.1)}  # (loss rtol, update rtol)
+# Tolerances follow the arithmetic. fp32 differs from the reference only by
+# summation order (ranks, micro-batches, buckets): relative 1e-7 per sum. AdamW
+# divides each gradient element by its own running magnitude, so an element
+# whose gradient is within rounding of zero can move by anything up to lr per
+# step, while every other element follows the order change (relative ~1e-7,
+# a few ulps after 5 steps). Hence, for fp32, per element: at most lr * STEPS
+# (the flip bound) everywhere, and within 1e-5 + 1e-3 * |update| on all but
+# FLIP_FRACTION of the elements. bf16/fp16 gradients are rounded to 8/11 bits
+# before the reduction, so flips are common: those compare per tensor (L2),
+# |p - ref| <= update_rtol * |ref - initial|.
+TOLERANCE = {"fp32": (1e-5, None), "bf16": (3e-2, 0.35), "fp16": (5e-3, 0.1)}  # (loss rtol, update rtol)
+FLIP_BOUND = LR * STEPS
+FLIP_FRACTION = 0.01
 
 
 def engine_train(rank: int, world_size: int, kind: str, stage: int, dtype_name: str, accumulation: int,
@@ -60,11 +67,21 @@ def check_case(rank: int, world_size: int, kind: str, stage: int, dtype_name: st
                                msg=lambda m: f"{case}: losses {losses} vs reference {ref_losses}: {m}")
     initial = [p.detach().float() for p in make_model(kind).to(DTYPES[dtype_name]).parameters()]
     for i, (p, r, p0) in enumerate(zip(params, ref_params, initial)):
+        if update_rtol is None:
+            check_fp32_elements(p, r, p0, f"{case}: parameter {i}")
+            continue
         error, update = float((p - r).norm()), float((r - p0).norm())
         assert error <= update_rtol * update + 1e-6, f"{case}: parameter {i}: |p - ref| {error:.3g} > " \
                                                      f"{update_rtol} * |ref - initial| {update:.3g}"
-        if dtype_name == "fp32":
-            torch.testing.assert_close(p, r, rtol=0, atol=1e-4, msg=lambda m: f"{case}: parameter {i}: {m}")
+
+
+def check_fp32_elements(p: torch.Tensor, ref: torch.Tensor, initial: torch.Tensor, where: str) -> None:
+    """See the tolerance note at the top."""
+    difference = (p - ref).abs()
+    assert float(difference.max()) <= FLIP_BOUND, f"{where}: max |p - ref| {float(difference.max()):.3g} > {FLIP_BOUND}"
+    off = difference > 1e-5 + 1e-3 * (ref - initial).abs()
+    assert int(off.sum()) <= max(1, FLIP_FRACTION * off.numel()), \
+        f"{where}: {int(off.sum())} of {off.numel()} elements differ beyond summation order (max {float(difference.max()):.3g})"
 
 
 def parity_worker(rank: int, world_size: int, stages: tuple[int, ...]) -> None:
