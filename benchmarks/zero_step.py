@@ -38,8 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--bucket", type=float, default=2e6, help="reduce/allgather bucket size (elements)")
-    p.add_argument("--frameworks", default="zero,zero-flat,zero-unfused,zero-torch,deepspeed,ddp,fsdp2",
-                   help="zero-flat: ringcomm FlatBuffer reducer (stages 0-1); zero-unfused: per-tensor AdamW; "
+    p.add_argument("--frameworks", default="zero,zero-unfused,zero-torch,deepspeed,ddp,fsdp2",
+                   help="zero-unfused: per-tensor AdamW; "
                         "zero-torch: plain torch.distributed; also zero-inline (overlap_comm false)")
     p.add_argument("--json", default="bench-results/zero_step.json")
     return p.parse_args(argv)
@@ -134,8 +134,6 @@ def engine_step(args, stage: int, framework: str):
         backend = "torch" if framework == "zero-torch" else "ringcomm"
         config = ds_config(args, stage)
         config["zero_optimization"]["overlap_comm"] = framework != "zero-inline"
-        if framework == "zero-flat":  # ringcomm's FlatBuffer + BucketScheduler (stages 0-1)
-            config["zero_reducer"] = "flat_buffer"
         engine, *_ = zero.initialize(model=model, optimizer=optimizer, config=config, comm_backend=backend)
 
     def step(i: int) -> None:
@@ -186,8 +184,7 @@ def measure_stage(args, stage: int, frameworks: list[str]) -> dict:
     """{framework: seconds or error text} at one stage (DDP: stage 0, FSDP2: stage 3)."""
     steps, out = {}, {}
     for framework in frameworks:
-        if (framework == "ddp" and stage != 0) or (framework == "fsdp2" and stage != 3) or \
-                (framework == "zero-flat" and stage > 1):
+        if (framework == "ddp" and stage != 0) or (framework == "fsdp2" and stage != 3):
             continue
         try:
             steps[framework] = (ddp_step(args) if framework == "ddp" else fsdp2_step(args)

@@ -9,6 +9,7 @@ every input; all-gather is the mirror image.
 from __future__ import annotations
 
 import concurrent.futures
+import sys
 import threading
 from collections.abc import Callable, Sequence
 
@@ -16,6 +17,7 @@ import torch
 
 from .collectives import all_gather, reduce_scatter
 from .group import Group, resolve_group
+from .layout import plan_buckets
 from .ops import ReduceOp
 from .work import Work
 
@@ -104,17 +106,19 @@ def _run(op: str, pieces: list, group: Group, async_op: bool) -> Work | None:
 
 
 def _buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int | None) -> list[list[int]]:
-    """Indices grouped by (dtype, device), cut where a bucket reaches bucket_bytes."""
-    groups: dict[tuple[torch.dtype, torch.device], list[list[int]]] = {}
+    """Indices grouped by (dtype, device), each group cut into buckets of about
+    `bucket_bytes` by ringcomm.layout's planner, in call order."""
+    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
     for i, tensor in enumerate(tensors):
-        buckets = groups.setdefault((tensor.dtype, tensor.device), [[]])
-        current = buckets[-1]
-        full = bucket_bytes is not None and sum(tensors[j].nbytes for j in current) >= bucket_bytes
-        if current and full:
-            buckets.append([i])
-        else:
-            current.append(i)
-    return [bucket for buckets in groups.values() for bucket in buckets]
+        groups.setdefault((tensor.dtype, tensor.device), []).append(i)
+    buckets = []
+    for indices in groups.values():
+        itemsize = tensors[indices[0]].element_size()
+        capacity = sys.maxsize if bucket_bytes is None else max(1, bucket_bytes // itemsize)
+        layout = plan_buckets([tensors[i].numel() for i in indices], world_size=1, bucket_numel=capacity,
+                              order=range(len(indices)))
+        buckets.extend([indices[j] for j in bucket.param_indices] for bucket in layout.buckets)
+    return buckets
 
 
 def _check_lists(op: str, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], ws: int, rank: int, *,

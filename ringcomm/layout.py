@@ -13,13 +13,18 @@ its ZeRO shard of that bucket; `BufferLayout.shard(rank)` lists those spans.
 
     buffer: | bucket 0 (first, small)  | bucket 1                  | ...
             | c0 | c1 | c2 | c3 +pad   | c0   | c1   | c2   | c3 +pad|
+
+Buckets come either from sizes (`plan_buckets`: DDP, ZeRO stages 0-2) or from
+explicit parameter groups (`plan_groups`, `plan_module_buckets`: one stage-3
+module per bucket). A bucket is `resident` when every rank keeps all of its
+values between uses; otherwise ranks keep only their chunk (ZeRO stage 3).
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .schedule import Span
+from .schedule import Span  # re-exported: layouts speak in spans
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +54,7 @@ class BucketSpan:
     data_numel: int
     chunk_numel: int
     param_indices: tuple[int, ...]
+    resident: bool = True
 
     @property
     def end(self) -> int:
@@ -57,6 +63,10 @@ class BucketSpan:
     def chunk(self, rank: int) -> Span:
         """Rank `rank`'s chunk of this bucket, in buffer coordinates."""
         return Span(self.begin + rank * self.chunk_numel, self.chunk_numel)
+
+    def local_chunk(self, rank: int) -> Span:
+        """Rank `rank`'s chunk of this bucket, in the bucket's own coordinates."""
+        return Span(rank * self.chunk_numel, self.chunk_numel)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +88,22 @@ class BufferLayout:
     def shard_numel(self) -> int:
         """Elements of one rank's shard (the same on every rank)."""
         return sum(bucket.chunk_numel for bucket in self.buckets)
+
+    def local(self, index: int) -> Span:
+        """Parameter `index`'s elements in its bucket's own coordinates."""
+        slot = self.params[index]
+        return Span(slot.begin - self.buckets[slot.bucket].begin, slot.numel)
+
+    def local_slices(self, bucket: int, span: Span) -> tuple[tuple[int, Span, Span], ...]:
+        """For each parameter of `bucket` overlapping `span` (bucket coordinates):
+        (parameter index, the overlap in bucket coordinates, in parameter coordinates)."""
+        out = []
+        for index in self.buckets[bucket].param_indices:
+            own = self.local(index)
+            begin, end = max(own.begin, span.begin), min(own.end, span.end)
+            if begin < end:
+                out.append((index, Span(begin, end - begin), Span(begin - own.begin, end - begin)))
+        return tuple(out)
 
     def param_shard(self, index: int, rank: int) -> Span:
         """The part of parameter `index` inside rank `rank`'s chunk, in the
@@ -114,7 +140,51 @@ def plan_buckets(param_numels: Sequence[int], *, world_size: int, bucket_numel: 
     return _place(numels, groups, world_size, order_t)
 
 
-def _place(numels: list[int], groups: list[list[int]], world_size: int, order: tuple[int, ...]) -> BufferLayout:
+def plan_groups(param_numels: Sequence[int], groups: Sequence[Sequence[int]], *, world_size: int,
+                resident: Sequence[bool] | None = None) -> BufferLayout:
+    """One bucket per group of parameter indices, in the order given (every
+    parameter in exactly one group); `resident[k]` marks bucket k resident
+    (default: all)."""
+    numels = [int(n) for n in param_numels]
+    _check_args(numels, world_size, 1, None)
+    flat = [int(i) for group in groups for i in group]
+    if sorted(flat) != list(range(len(numels))):
+        raise ValueError(f"plan_groups: the groups must hold each of the {len(numels)} parameters once; got {groups}")
+    if any(not group for group in groups):
+        raise ValueError(f"plan_groups: empty group in {groups}")
+    flags = [True] * len(groups) if resident is None else [bool(r) for r in resident]
+    if len(flags) != len(groups):
+        raise ValueError(f"plan_groups: {len(flags)} resident flags for {len(groups)} groups")
+    return _place(numels, [list(g) for g in groups], world_size, tuple(flat), flags)
+
+
+def plan_module_buckets(module_params: Sequence[Sequence[int]], param_numels: Sequence[int], *, world_size: int,
+                        persistence_threshold: int) -> tuple[BufferLayout, tuple[int | None, ...]]:
+    """ZeRO stage 3: one sharded bucket per module (`module_params[m]`: the
+    indices of module m's own parameters), in module order, then one resident
+    bucket with the parameters smaller than `persistence_threshold` and those of
+    several modules (tied weights: no single module's hooks can own them).
+    Returns the layout and, per bucket, its module (None: the resident one)."""
+    owners: dict[int, int] = {}
+    for indices in module_params:
+        for i in indices:
+            owners[i] = owners.get(i, 0) + 1
+    groups, modules, persistent = [], [], []
+    for module, indices in enumerate(module_params):
+        sharded = [i for i in indices if param_numels[i] >= persistence_threshold and owners[i] == 1]
+        persistent.extend(i for i in indices if i not in sharded and i not in persistent)
+        if sharded:
+            groups.append(sharded)
+            modules.append(module)
+    if persistent:
+        groups.append(persistent)
+        modules.append(None)
+    layout = plan_groups(param_numels, groups, world_size=world_size, resident=[m is None for m in modules])
+    return layout, tuple(modules)
+
+
+def _place(numels: list[int], groups: list[list[int]], world_size: int, order: tuple[int, ...],
+           resident: Sequence[bool] | None = None) -> BufferLayout:
     slots: list[ParamSlot | None] = [None] * len(numels)
     buckets = []
     offset = 0
@@ -125,7 +195,8 @@ def _place(numels: list[int], groups: list[list[int]], world_size: int, order: t
             offset += numels[index]
         data_numel = offset - begin
         chunk_numel = -(-data_numel // world_size)
-        buckets.append(BucketSpan(bucket_index, begin, chunk_numel * world_size, data_numel, chunk_numel, tuple(indices)))
+        buckets.append(BucketSpan(bucket_index, begin, chunk_numel * world_size, data_numel, chunk_numel, tuple(indices),
+                                  True if resident is None else resident[bucket_index]))
         offset = begin + chunk_numel * world_size
     assert all(slot is not None for slot in slots), "every parameter is placed in some bucket"
     return BufferLayout(world_size, offset, tuple(slots), tuple(buckets), order)  # type: ignore[arg-type]

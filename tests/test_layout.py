@@ -107,3 +107,33 @@ def test_layout_imports_only_the_stdlib() -> None:
             else:
                 root = (node.module or "").split(".")[0]
                 assert root == "__future__" or root in sys.stdlib_module_names, f"layout.py imports {node.module}"
+
+
+@pytest.mark.parametrize("world_size", range(1, 9))
+def test_group_plans_cover_every_parameter_once(world_size: int) -> None:
+    from ringcomm.layout import Span, plan_groups, plan_module_buckets
+
+    numels = [0, 1, 7, 13, 1000, 3, 64, 5]  # awkward: empty, primes, bigger than a bucket
+    stage3, modules = plan_module_buckets([[0, 1], [2, 3, 4], [5], [6, 7]], numels, world_size=world_size,
+                                          persistence_threshold=6)
+    for layout in (plan_buckets(numels, world_size=world_size, bucket_numel=50), stage3,
+                   plan_groups(numels, [[3, 1], [0, 2, 4, 5, 6, 7]], world_size=world_size)):
+        seen = sorted(i for bucket in layout.buckets for i in bucket.param_indices)
+        assert seen == list(range(len(numels))), f"{world_size=}: {seen}"
+        for bucket in layout.buckets:
+            assert bucket.numel % world_size == 0 and bucket.numel >= bucket.data_numel, f"{world_size=} {bucket}"
+            owned = [layout.local_slices(bucket.index, bucket.local_chunk(r)) for r in range(world_size)]
+            assert sum(local.numel for o in owned for _, local, _ in o) == bucket.data_numel, f"{world_size=} {bucket}"
+            for o in owned:
+                for index, local, in_param in o:
+                    assert local.begin - layout.local(index).begin == in_param.begin, f"{world_size=} {index}"
+    assert [b.resident for b in stage3.buckets] == [False, False, True], "module [0, 1] is all below the threshold"
+    assert modules == (1, 3, None), modules
+    assert sorted(stage3.buckets[-1].param_indices) == [0, 1, 5, 7], "params below the threshold stay resident"
+    tied, owners = plan_module_buckets([[0, 2], [1, 2]], [5, 6, 7], world_size=world_size, persistence_threshold=0)
+    assert [sorted(b.param_indices) for b in tied.buckets] == [[0], [1], [2]] and tied.buckets[-1].resident
+    assert owners == (0, 1, None)
+    assert plan_groups([10], [[0]], world_size=4).buckets[0].numel == 12
+    assert stage3.local(4) == Span(stage3.params[4].begin - stage3.buckets[stage3.params[4].bucket].begin, 1000)
+    with pytest.raises(ValueError, match="once"):
+        plan_groups([1, 2], [[0]], world_size=2)

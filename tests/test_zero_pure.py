@@ -10,9 +10,7 @@ import pytest
 
 import zero_reference  # noqa: F401  (puts the repo root on sys.path)
 from zero import config as cfg
-from ringcomm.layout import plan_buckets
-from zero.build import units_from_layout
-from zero.partition import ShardingPolicy, make_unit, module_units, wire_numel
+from zero.partition import ShardingPolicy, wire_numel
 from zero.precision import DynamicLossScaler, ScalerOptions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,30 +37,9 @@ def test_policy_is_data(stage: int) -> None:
         ShardingPolicy.for_stage(4)
 
 
-@pytest.mark.parametrize("world_size", range(1, 9))
-def test_units_cover_every_parameter_once(world_size: int) -> None:
-    numels = [0, 1, 7, 13, 1000, 3, 64, 5]  # awkward: empty, primes, bigger than a bucket
-    for units in (units_from_layout(plan_buckets(numels, world_size=world_size, bucket_numel=50)),
-                  module_units([[0, 1], [2, 3, 4], [5], [6, 7]], numels, world_size, 6)):
-        seen = sorted(slot.index for u in units for slot in u.slots)
-        assert seen == list(range(len(numels))), f"{world_size=}: {seen}"
-        for u in units:
-            assert u.padded_numel % world_size == 0 and u.padded_numel >= u.numel, f"{world_size=} {u}"
-            owned = [u.owned_slices(*u.chunk(r)) for r in range(world_size)]
-            assert sum(hi - lo for o in owned for _, lo, hi in o) == u.numel, f"{world_size=} {u}"
-    units = units_from_layout(plan_buckets(numels, world_size=world_size, bucket_numel=50))
-    assert units[0].slots[0].index == len(numels) - 1, "buckets start with the last parameter (ready first)"
-    stage3 = module_units([[0, 1], [2, 3, 4], [5], [6, 7]], numels, world_size, 6)
-    assert [u.resident for u in stage3] == [False, False, True], "group [0, 1] is all below the threshold"
-    assert sorted(s.index for s in stage3[-1].slots) == [0, 1, 5, 7], "params below the threshold stay resident"
-    tied = module_units([[2, 4], [6, 4]], numels, world_size, 0)  # 4 in two modules (tied weights)
-    assert [sorted(s.index for s in u.slots) for u in tied] == [[2], [6], [4]] and tied[-1].resident
-
-
 def test_wire_numel_ring_volume() -> None:
     assert wire_numel("reduce_scatter", 1200, 4) == 900 and wire_numel("all_gather", 1200, 4) == 900
     assert wire_numel("all_reduce", 1200, 4) == 1800 and wire_numel("all_reduce", 1200, 1) == 0
-    assert make_unit([0], [10], 4, True).padded_numel == 12
 
 
 def test_batch_rule_and_auto() -> None:

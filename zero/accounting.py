@@ -42,7 +42,7 @@ class _Storages:
 def memory_report(group: ParamGroup, optimizer: torch.optim.Optimizer, gathered_nbytes: int = 0) -> MemoryReport:
     """Measured between steps (stage 3 units resharded, no transient buckets)."""
     storages = _Storages()
-    params = storages.nbytes(u.full if u.plan.resident else u.shard for u in group.units)
+    params = storages.nbytes(u.full if u.bucket.resident else u.shard for u in group.units)
     persistent_grads = [u.grad if not group.policy.shard_grads else u.grad_owned for u in group.units]
     grads = storages.nbytes(persistent_grads)
     states = [t for state in optimizer.state.values() for t in state.values()

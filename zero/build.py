@@ -9,18 +9,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ringcomm.layout import BufferLayout, plan_buckets
+from ringcomm.layout import BufferLayout, plan_buckets, plan_module_buckets
 
 from . import config as config_mod
 from . import optim
-from .comm import Comm, RingComm, make_comm
+from .comm import make_comm
 from .engine import EngineParts, ZeroEngine
 from .gather import UnitGatherer
 from .param_group import ParamGroup
-from .reducer import BucketReducer, FlatBufferReducer, GradReducer
-from .unit import Unit, build_units, units_on_buffer
-from .partition import ParamSlot, UnitPlan, module_units
 from .precision import make_scaler
+from .reducer import BucketReducer
+from .unit import build_units
 
 log = logging.getLogger("zero")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -64,19 +63,17 @@ def trainable_params(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def plan_units(model: nn.Module, params: list[nn.Parameter], cfg: config_mod.EngineConfig,
-               world_size: int) -> tuple[tuple[UnitPlan, ...], list[nn.Module | None]]:
-    """Units and, for stage 3, the module of each unit (None: resident)."""
+def plan_layout(model: nn.Module, params: list[nn.Parameter], cfg: config_mod.EngineConfig,
+                world_size: int) -> tuple[BufferLayout, list[nn.Module | None]]:
+    """The buckets (ringcomm.layout) and, for stage 3, each bucket's module
+    (None: the resident bucket)."""
     numels = [p.numel() for p in params]
     if not cfg.zero.policy.shard_params:
-        return units_from_layout(plan_buckets(numels, world_size=world_size,
-                                              bucket_numel=cfg.zero.reduce_bucket_size)), []
+        return plan_buckets(numels, world_size=world_size, bucket_numel=cfg.zero.reduce_bucket_size), []
     modules, groups = module_groups(model, params)
-    plans = module_units(groups, numels, world_size, cfg.zero.param_persistence_threshold)
-    owners = []
-    for plan in plans:
-        owners.append(None if plan.resident else _module_of(plan, groups, modules))
-    return plans, owners
+    layout, owners = plan_module_buckets(groups, numels, world_size=world_size,
+                                         persistence_threshold=cfg.zero.param_persistence_threshold)
+    return layout, [None if m is None else modules[m] for m in owners]
 
 
 WHOLE_MODULES = (nn.MultiheadAttention,)  # use their children's parameters without calling the children
@@ -98,43 +95,6 @@ def module_groups(model: nn.Module, params: list[nn.Parameter]) -> tuple[list[nn
             modules.append(module)
             groups.append(indices)
     return modules, groups
-
-
-def units_from_layout(layout: BufferLayout) -> tuple[UnitPlan, ...]:
-    """Stages 0-2 take ringcomm's owner-aligned bucket layout (ringcomm/layout.py):
-    each bucket becomes a resident unit, chunk r of it rank r's shard."""
-    units = []
-    for bucket in layout.buckets:
-        slots = tuple(ParamSlot(i, layout.params[i].begin - bucket.begin, layout.params[i].numel)
-                      for i in bucket.param_indices)
-        units.append(UnitPlan(slots, bucket.chunk_numel, layout.world_size, resident=True))
-    return tuple(units)
-
-
-def _module_of(plan: UnitPlan, groups: list[list[int]], modules: list[nn.Module]) -> nn.Module:
-    first = plan.slots[0].index
-    return next(m for g, m in zip(groups, modules) if first in g)
-
-
-def flat_buffer_reducer(params: list[nn.Parameter], names: list[str], cfg: config_mod.EngineConfig,
-                        comm: Comm) -> tuple[list[Unit], GradReducer]:
-    """Stages 0-1 on ringcomm: a FlatBuffer in the group's shared memory owns the
-    parameters and gradients; a BucketScheduler averages its buckets."""
-    from ringcomm import ReduceOp
-    from ringcomm.buffer import FlatBuffer, transport_allocator
-    from ringcomm.overlap import BucketScheduler
-
-    group = comm.group
-    buffer = FlatBuffer(params, world_size=comm.world_size, views_for=("grad", "data"),
-                        bucket_bytes=cfg.zero.reduce_bucket_size * params[0].element_size(),
-                        allocate=transport_allocator(group))
-    kind = "reduce_scatter" if cfg.zero.policy.shard_optimizer else "all_reduce"
-    scheduler = BucketScheduler([buffer], group, mode=kind, op=ReduceOp.AVG, overlap=cfg.zero.overlap_comm,
-                                find_unused_parameters=True)
-    units = units_on_buffer(buffer, units_from_layout(buffer.layout), params, comm.rank, comm)
-    reducer = FlatBufferReducer(buffer, scheduler, comm, kind)
-    reducer.named_params = list(zip(names, params))
-    return units, reducer
 
 
 def make_optimizer(optimizer, model_parameters, params: list[nn.Parameter],
@@ -176,19 +136,13 @@ def build_engine(model: nn.Module, optimizer=None, model_parameters=None, lr_sch
     optimizer = make_optimizer(optimizer, model_parameters, params, cfg)
     comm = make_comm(comm_backend or cfg.comm_backend or "ringcomm")
     comm.overlap = cfg.zero.overlap_comm
-    plans, owners = plan_units(model, params, cfg, world_size)
-    if cfg.reducer == "flat_buffer" and comm.kind == "torch":
-        raise ValueError("zero config: zero_reducer 'flat_buffer' runs on ringcomm; comm_backend is 'torch'")
-    if cfg.reducer == "flat_buffer" and isinstance(comm, RingComm):
-        names = {id(p): name for name, p in model.named_parameters()}
-        units, reducer = flat_buffer_reducer(params, [names[id(p)] for p in params], cfg, comm)
-    else:
-        units = build_units(params, plans, rank, comm)
-        # gradients become ready in reverse forward order: stage 0-2 buckets are laid out
-        # that way already; stage 3 units follow the modules (forward order), resident last
-        order = units if not cfg.zero.policy.shard_params else \
-            [u for u in reversed(units) if not u.plan.resident] + [u for u in units if u.plan.resident]
-        reducer = BucketReducer(units, cfg.zero.policy, comm, order)
+    layout, owners = plan_layout(model, params, cfg, world_size)
+    units = build_units(params, layout, rank, comm)
+    # gradients become ready in reverse forward order: stage 0-2 buckets are laid out
+    # that way already; stage 3 buckets follow the modules (forward order), resident last
+    order = units if not cfg.zero.policy.shard_params else \
+        [u for u in reversed(units) if not u.bucket.resident] + [u for u in units if u.bucket.resident]
+    reducer = BucketReducer(units, cfg.zero.policy, comm, order)
     group = ParamGroup(units, cfg.zero.policy, comm, reducer)
     optim.rebind(optimizer, params, group.setup_masters())
     reducer.register()

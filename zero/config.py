@@ -15,7 +15,7 @@ AUTO = "auto"
 TOP_KEYS = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
     "fp16", "bf16", "optimizer", "scheduler", "zero_allow_untested_optimizer", "zero_optimization",
-    "activation_checkpointing", "comm_backend", "zero_reducer",
+    "activation_checkpointing", "comm_backend",
     # accepted with no effect here (logging and knobs of DeepSpeed's own runtime)
     "steps_per_print", "wall_clock_breakdown", "prescale_gradients", "gradient_predivide_factor",
     "communication_data_type", "dump_state", "tensorboard", "wandb", "csv_monitor", "flops_profiler",
@@ -86,7 +86,6 @@ class EngineConfig:
     allow_untested_optimizer: bool = False
     activation_checkpointing: dict | None = None
     comm_backend: str | None = None
-    reducer: str = "bucket"  # zero_reducer: "bucket" (zero's own) | "flat_buffer" (ringcomm's, stages 0-1)
     not_implemented: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -273,12 +272,9 @@ def parse(config: str | os.PathLike | dict, facts: ModelFacts) -> EngineConfig:
     train, micro, accum = resolve_batch(raw, facts.world_size, facts.arguments)
     zero = _zero(raw.get("zero_optimization", {}), facts)
     checkpointing = _activation_checkpointing(raw.get("activation_checkpointing"))
-    backend, reducer = raw.get("comm_backend"), raw.get("zero_reducer", "bucket")
+    backend = raw.get("comm_backend")
     if backend not in (None, "ringcomm", "torch"):
         raise ValueError(f"zero config: comm_backend must be 'ringcomm' or 'torch', got {backend!r}")
-    if reducer not in ("bucket", "flat_buffer") or (reducer == "flat_buffer" and zero.stage > 1):
-        raise ValueError(f"zero config: zero_reducer must be 'bucket' or (stages 0-1) 'flat_buffer', got {reducer!r} "
-                         f"at stage {zero.stage}")
     not_implemented = tuple(
         note for note, on in ((f"zero_optimization.offload_optimizer (device {zero.offload_optimizer})",
                                zero.offload_optimizer != "none"),
@@ -293,5 +289,5 @@ def parse(config: str | os.PathLike | dict, facts: ModelFacts) -> EngineConfig:
         optimizer=_optimizer(raw.get("optimizer")), scheduler=_scheduler(raw.get("scheduler")),
         allow_untested_optimizer=_bool(raw.get("zero_allow_untested_optimizer", False),
                                        "zero_allow_untested_optimizer"),
-        activation_checkpointing=checkpointing, comm_backend=backend, reducer=reducer,
+        activation_checkpointing=checkpointing, comm_backend=backend,
         not_implemented=not_implemented)

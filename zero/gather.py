@@ -47,11 +47,11 @@ class UnitGatherer:
         if unit not in self.order:
             self._note_live()
             return
-        live = sum(u.plan.padded_numel for u in self.order if u.full is not None)
+        live = sum(u.bucket.numel for u in self.order if u.full is not None)
         fetched, i = 0, self.order.index(unit) + direction
         while 0 <= i < len(self.order):
             nxt = self.order[i]
-            numel = nxt.plan.padded_numel
+            numel = nxt.bucket.numel
             if fetched and (fetched + numel > self.prefetch_numel or live + numel > self.max_live_numel):
                 break
             if nxt.full is None:

@@ -20,14 +20,14 @@ import torch
 
 from .comm import Comm
 from .partition import ShardingPolicy
-from .reducer import GradReducer
+from .reducer import BucketReducer
 from .unit import Unit
 
 
 class ParamGroup:
     """Units of the model plus the reduction and update rules of a policy."""
 
-    def __init__(self, units: list[Unit], policy: ShardingPolicy, comm: Comm, reducer: GradReducer) -> None:
+    def __init__(self, units: list[Unit], policy: ShardingPolicy, comm: Comm, reducer: BucketReducer) -> None:
         self.units = units
         self.policy = policy
         self.comm = comm
@@ -39,25 +39,24 @@ class ParamGroup:
         (parameter index, master slice) pairs, the optimizer's parameters."""
         out = []
         for unit in self.units:
-            plan, full_or_shard = unit.plan, unit.full if unit.full is not None else unit.shard
+            full_or_shard = unit.full if unit.full is not None else unit.shard
             if self.policy.shard_optimizer:
-                unit.owned = plan.chunk(unit.rank)
+                unit.owned = unit.bucket.local_chunk(unit.rank)
                 source = unit.shard
             else:
                 source = full_or_shard
-            numel = unit.owned[1] - unit.owned[0]
+            owned, dtype, device = unit.owned, unit.shard.dtype, unit.shard.device
             if not self.policy.shard_grads:
-                if unit.grad is None:  # a reducer's flat buffer may own it already
-                    unit.grad = torch.zeros(plan.padded_numel, dtype=unit.shard.dtype)
-                unit.grad_owned = unit.grad[unit.owned[0]:unit.owned[1]]
+                unit.grad = torch.zeros(unit.bucket.numel, dtype=dtype, device=device)
+                unit.grad_owned = unit.grad[owned.begin:owned.end]
             else:
-                unit.grad_owned = torch.zeros(numel, dtype=unit.shard.dtype)
+                unit.grad_owned = torch.zeros(owned.numel, dtype=dtype, device=device)
             unit.master = source if source.dtype == torch.float32 else source.float()
             unit.master_views = []
-            for slot, lo, hi in plan.owned_slices(*unit.owned):
-                view = unit.master[lo - unit.owned[0]:hi - unit.owned[0]].requires_grad_()
-                unit.master_views.append((view, lo - unit.owned[0], hi - unit.owned[0]))
-                out.append((slot.index, view))
+            for index, local, _ in unit.layout.local_slices(unit.bucket.index, owned):
+                begin, end = local.begin - owned.begin, local.end - owned.begin
+                unit.master_views.append((unit.master[begin:end].requires_grad_(), begin, end))
+                out.append((index, unit.master_views[-1][0]))
         return out
 
     # ---- step ------------------------------------------------------------------
@@ -66,7 +65,7 @@ class ParamGroup:
 
     def grad_norm(self, grads: list[torch.Tensor]) -> float:
         """Global L2 norm of the (still scaled) reduced gradients."""
-        total = torch.zeros(1, dtype=torch.float64)
+        total = torch.zeros(1, dtype=torch.float64, device=grads[0].device if grads else None)
         for g in grads:
             total += torch.linalg.vector_norm(g).double() ** 2
         if self.policy.shard_optimizer:
@@ -88,7 +87,7 @@ class ParamGroup:
             target = unit.shard if self.policy.shard_optimizer else (unit.full if unit.full is not None else unit.shard)
             if target.data_ptr() != unit.master.data_ptr():
                 target.copy_(unit.master)
-            if self.policy.shard_optimizer and unit.plan.resident:
+            if self.policy.shard_optimizer and unit.bucket.resident:
                 works.append(self.comm.all_gather(unit.full, unit.shard, async_op=True))
         for work in works:
             work.wait()
@@ -100,10 +99,10 @@ class ParamGroup:
         for unit in self.units:
             whole = unit.master
             if self.policy.shard_optimizer:
-                whole = torch.empty(unit.plan.padded_numel, dtype=torch.float32)
+                whole = torch.empty(unit.bucket.numel, dtype=torch.float32, device=unit.master.device)
                 self.comm.all_gather(whole, unit.master.contiguous()).wait()
-            for slot, shape in zip(unit.plan.slots, unit.shapes):
-                out[slot.index] = whole[slot.begin:slot.end].detach().clone().view(shape)
+            for index, span, shape in zip(unit.indices, unit.spans, unit.shapes):
+                out[index] = whole[span.begin:span.end].detach().clone().view(shape)
         self.comm.sent_nbytes = sent
         return [out[i] for i in sorted(out)]
 

@@ -1,6 +1,6 @@
-"""Pure plans of ZeRO sharding: what a stage shards (ShardingPolicy) and how
-parameters are laid out in units (buckets) whose chunk r is rank r's shard.
-Standard library only."""
+"""Pure rules of ZeRO sharding: what a stage shards (ShardingPolicy) and the
+ring volume of each collective. The buckets themselves are planned by
+ringcomm.layout. Standard library only."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,87 +25,6 @@ class ShardingPolicy:
     @property
     def stage(self) -> int:
         return int(self.shard_optimizer) + int(self.shard_grads) + int(self.shard_params)
-
-
-@dataclass(frozen=True, slots=True)
-class ParamSlot:
-    """Parameter `index` lives at elements [begin, begin + numel) of its unit."""
-
-    index: int
-    begin: int
-    numel: int
-
-    @property
-    def end(self) -> int:
-        return self.begin + self.numel
-
-
-@dataclass(frozen=True, slots=True)
-class UnitPlan:
-    """One unit: a bucket of parameters communicated together, padded to
-    world_size chunks of chunk_numel elements. `resident` units keep their full
-    parameters between steps; the others hold only their chunk (stage 3)."""
-
-    slots: tuple[ParamSlot, ...]
-    chunk_numel: int
-    world_size: int
-    resident: bool
-
-    @property
-    def padded_numel(self) -> int:
-        return self.chunk_numel * self.world_size
-
-    @property
-    def numel(self) -> int:
-        return sum(slot.numel for slot in self.slots)
-
-    def chunk(self, rank: int) -> tuple[int, int]:
-        """[begin, end) of rank's chunk."""
-        return rank * self.chunk_numel, (rank + 1) * self.chunk_numel
-
-    def owned_slices(self, begin: int, end: int) -> tuple[tuple[ParamSlot, int, int], ...]:
-        """(slot, lo, hi) for each parameter overlapping [begin, end): elements
-        lo..hi of the unit, which are elements lo-slot.begin.. of the parameter."""
-        out = []
-        for slot in self.slots:
-            lo, hi = max(begin, slot.begin), min(end, slot.end)
-            if lo < hi:
-                out.append((slot, lo, hi))
-        return tuple(out)
-
-
-def make_unit(indices: list[int], numels: list[int], world_size: int, resident: bool) -> UnitPlan:
-    """Lays parameters `indices` (with `numels`) back to back and pads the unit
-    to a multiple of world_size (at least one element per chunk)."""
-    if world_size < 1:
-        raise ValueError(f"make_unit: {world_size=} must be >= 1")
-    slots, offset = [], 0
-    for index, numel in zip(indices, numels):
-        slots.append(ParamSlot(index, offset, numel))
-        offset += numel
-    chunk_numel = max(1, -(-offset // world_size))
-    return UnitPlan(tuple(slots), chunk_numel, world_size, resident)
-
-
-def module_units(groups: list[list[int]], numels: list[int], world_size: int,
-                 persistence_threshold: int) -> tuple[UnitPlan, ...]:
-    """Stage 3 units: one per module (its direct parameters, `groups`), minus
-    parameters smaller than persistence_threshold and parameters of several
-    modules (tied weights: no single module's hooks can own them), which go to
-    one resident unit at the end."""
-    owners: dict[int, int] = {}
-    for group in groups:
-        for i in group:
-            owners[i] = owners.get(i, 0) + 1
-    units, persistent = [], []
-    for group in groups:
-        sharded = [i for i in group if numels[i] >= persistence_threshold and owners[i] == 1]
-        persistent.extend(i for i in group if i not in sharded and i not in persistent)
-        if sharded:
-            units.append(make_unit(sharded, [numels[i] for i in sharded], world_size, False))
-    if persistent:
-        units.append(make_unit(persistent, [numels[i] for i in persistent], world_size, True))
-    return tuple(units)
 
 
 def wire_numel(kind: str, numel: int, world_size: int) -> int:

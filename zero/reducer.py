@@ -1,46 +1,25 @@
-"""Gradient reducers: how the gradients of one backward reach the owned
-shards. Two implementations of one small interface (GradReducer):
-
-- BucketReducer (any comm backend, every stage): post-accumulate-grad hooks
-  copy each gradient into its unit's bucket and launch the unit's reduce-scatter
-  (or all-reduce at stage 0) once its last gradient arrived, overlapped with the
-  rest of backward. Stages 2-3 use transient buckets that fold into a
-  chunk-sized accumulator every micro-step; stages 0-1 keep whole buckets and
-  reduce at the accumulation boundary.
-- FlatBufferReducer (stages 0-1 on ringcomm, config "zero_reducer":
-  "flat_buffer"): ringcomm.buffer.FlatBuffer owns the parameters and gradients
-  in shared memory and ringcomm.overlap.BucketScheduler launches the same
-  owner-aligned buckets during backward. Not the default: measured 15-35%
-  slower per step than BucketReducer here (autograd accumulating into the
-  views, a memset per step, launch overhead), see docs/zero.md.
+"""BucketReducer: how the gradients of one backward reach the owned shards
+(any comm backend, every stage). Post-accumulate-grad hooks copy each gradient
+into its unit's bucket and launch the unit's reduce-scatter (or all-reduce at
+stage 0) once its last gradient arrived, overlapped with the rest of backward.
+Stages 2-3 use transient buckets that fold into a chunk-sized accumulator every
+micro-step; stages 0-1 keep whole buckets and reduce at the accumulation boundary.
 """
 from __future__ import annotations
-
-from typing import Protocol
 
 import torch
 from torch import nn
 
+from ringcomm.schedule import Span
+
 from .comm import Comm
-from .partition import ParamSlot, ShardingPolicy
+from .partition import ShardingPolicy
 from .unit import Unit
 
 
-class GradReducer(Protocol):
-    peak_transient_nbytes: int  # gradient buckets alive at once beyond the persistent ones
-    last_num_overlapped: int  # reductions the last backward launched before it ended
-
-    def register(self) -> None: ...
-
-    def backward(self, scaled_loss: torch.Tensor, boundary: bool) -> None:
-        """Back-propagates and leaves each unit's reduced gradient in grad_owned
-        (at an accumulation boundary; stages 2-3 every micro-step)."""
-
-    def zero_grads(self) -> None: ...
-
-
 class BucketReducer:
-    """zero's own reducer; see the module docstring."""
+    """See the module docstring. After backward() each unit's reduced gradient
+    is in grad_owned (at an accumulation boundary; stages 2-3 every micro-step)."""
 
     def __init__(self, units: list[Unit], policy: ShardingPolicy, comm: Comm, launch_order: list[Unit]) -> None:
         self.units = units
@@ -58,32 +37,32 @@ class BucketReducer:
 
     def register(self) -> None:
         for unit in self.units:
-            for param, slot in zip(unit.params, unit.plan.slots):
-                self.handles.append(param.register_post_accumulate_grad_hook(self._hook(unit, slot)))
+            for index, param, span in zip(unit.indices, unit.params, unit.spans):
+                self.handles.append(param.register_post_accumulate_grad_hook(self._hook(unit, index, span)))
 
     def backward(self, scaled_loss: torch.Tensor, boundary: bool) -> None:
         self.boundary = boundary
         scaled_loss.backward()
         self.finish_backward()
 
-    def _hook(self, unit: Unit, slot):
+    def _hook(self, unit: Unit, index: int, span: Span):
         def on_grad(param: nn.Parameter) -> None:
-            self.add_grad(unit, slot, param)
+            self.add_grad(unit, index, span, param)
         return on_grad
 
-    def add_grad(self, unit: Unit, slot: ParamSlot, param: nn.Parameter) -> None:
+    def add_grad(self, unit: Unit, index: int, span: Span, param: nn.Parameter) -> None:
         """Adds a parameter's gradient (pre-divided by world_size) to its bucket;
         launches the bucket's reduction once its last gradient arrived."""
         if unit.grad is None:
             self._new_bucket(unit)
-        grad, scale, begin, end = param.grad.reshape(-1), 1.0 / self.comm.world_size, slot.begin, slot.end
+        grad, scale, begin, end = param.grad.reshape(-1), 1.0 / self.comm.world_size, span.begin, span.end
         if unit.fresh:  # first write since the bucket was (re)started: no zeroing, no read
             torch.mul(grad, scale, out=unit.grad[begin:end])
         else:
             unit.grad[begin:end].add_(grad, alpha=scale)
         param.grad = None
         unit.num_ready += 1
-        unit.written.add(slot.index)
+        unit.written.add(index)
         if unit.num_ready == len(unit.params) and self._reduce_now():
             self._launch_ready()
 
@@ -101,8 +80,8 @@ class BucketReducer:
             self.num_overlapped += 1
 
     def _new_bucket(self, unit: Unit) -> None:
-        unit.grad = torch.empty(unit.plan.padded_numel, dtype=unit.shard.dtype)
-        unit.grad[unit.plan.numel:].zero_()  # padding stays zero through every reduction
+        unit.grad = torch.empty(unit.bucket.numel, dtype=unit.shard.dtype, device=unit.shard.device)
+        unit.grad[unit.bucket.data_numel:].zero_()  # padding stays zero through every reduction
         unit.fresh = True
         self._track(unit.grad.nbytes)
 
@@ -111,9 +90,9 @@ class BucketReducer:
         if unit.grad is None:
             self._new_bucket(unit)
         if unit.fresh:
-            for slot in unit.plan.slots:
-                if slot.index not in unit.written:
-                    unit.grad[slot.begin:slot.end].zero_()
+            for index, span in zip(unit.indices, unit.spans):
+                if index not in unit.written:
+                    unit.grad[span.begin:span.end].zero_()
 
     def _reduce_now(self) -> bool:
         return self.policy.shard_grads or self.boundary
@@ -124,9 +103,9 @@ class BucketReducer:
         if unit.num_ready < len(unit.params):  # parameters without a gradient this backward
             self._fill_unwritten(unit)
         if self.policy.shard_optimizer:
-            begin, end = unit.plan.chunk(unit.rank)
+            chunk = unit.bucket.local_chunk(unit.rank)
             direct = self.policy.shard_grads and unit.owned_fresh  # reduce straight into the accumulator
-            output = unit.grad_owned if direct else unit.grad[begin:end]
+            output = unit.grad_owned if direct else unit.grad[chunk.begin:chunk.end]
             unit.reduction = self.comm.reduce_scatter(output, unit.grad, async_op=True)
         else:
             unit.reduction = self.comm.all_reduce(unit.grad, async_op=True)
@@ -151,8 +130,8 @@ class BucketReducer:
             unit.reduction = None
             if self.policy.shard_grads:
                 if not unit.owned_fresh:
-                    begin, end = unit.plan.chunk(unit.rank)
-                    unit.grad_owned.add_(unit.grad[begin:end])
+                    chunk = unit.bucket.local_chunk(unit.rank)
+                    unit.grad_owned.add_(unit.grad[chunk.begin:chunk.end])
                 unit.owned_fresh = False
                 self._track(-unit.grad.nbytes)
                 unit.grad = None
@@ -167,43 +146,8 @@ class BucketReducer:
         self.transient_nbytes += nbytes
         self.peak_transient_nbytes = max(self.peak_transient_nbytes, self.transient_nbytes)
 
-
     def zero_grads(self) -> None:
         """Starts a new accumulation window: the next writes overwrite (no memset)."""
         for unit in self.units:
             unit.fresh = True
             unit.owned_fresh = True
-
-
-class FlatBufferReducer:
-    """Stages 0-1 on ringcomm: the units are views of a FlatBuffer (built by
-    units_on_buffer) and a BucketScheduler reduces its buckets during the
-    boundary backward; earlier micro-steps accumulate under no_sync()."""
-
-    def __init__(self, buffer, scheduler, comm: Comm, kind: str) -> None:
-        self.buffer = buffer
-        self.scheduler = scheduler
-        self.comm = comm
-        self.kind = kind  # "reduce_scatter" | "all_reduce": counted as wire bytes
-        self.peak_transient_nbytes = 0  # the buffer's gradients are persistent, counted as gradients
-        self.last_num_overlapped = 0
-        self.last_report = None
-        self.named_params: list = []
-
-    def register(self) -> None:
-        self.scheduler.register_hooks(self.named_params)
-
-    def backward(self, scaled_loss: torch.Tensor, boundary: bool) -> None:
-        if not boundary:
-            with self.scheduler.no_sync():
-                scaled_loss.backward()
-            return
-        scaled_loss.backward()
-        self.last_report = self.scheduler.finish()  # ringcomm's OverlapReport: comm time hidden by backward
-        # BucketScheduler launches each bucket from the hook of its last gradient when overlapping
-        self.last_num_overlapped = self.last_report.num_buckets if self.scheduler.overlap else 0
-        for bucket in range(len(self.buffer.layout.buckets)):
-            self.comm.count(self.kind, self.buffer.bucket_view(bucket))
-
-    def zero_grads(self) -> None:
-        self.scheduler.zero_grad()

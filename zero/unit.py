@@ -5,17 +5,23 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ringcomm.layout import BucketSpan, BufferLayout
+from ringcomm.schedule import Span
+
 from .comm import Comm, Handle
-from .partition import UnitPlan
 
 
 class Unit:
-    """One unit's tensors. `full` holds the whole padded unit (always for a
-    resident unit, while gathered otherwise); `shard` is this rank's chunk."""
+    """One bucket's tensors. `full` holds the whole padded bucket (always for a
+    resident bucket, while gathered otherwise); `shard` is this rank's chunk.
+    `spans[i]` is where params[i] lives in the bucket (bucket coordinates)."""
 
-    def __init__(self, plan: UnitPlan, params: list[nn.Parameter], full: torch.Tensor | None,
-                 shard: torch.Tensor, rank: int) -> None:
-        self.plan = plan
+    def __init__(self, layout: BufferLayout, bucket: BucketSpan, params: list[nn.Parameter],
+                 full: torch.Tensor | None, shard: torch.Tensor, rank: int) -> None:
+        self.layout = layout
+        self.bucket = bucket
+        self.indices = bucket.param_indices
+        self.spans = [layout.local(i) for i in bucket.param_indices]
         self.params = params
         self.shapes = [p.shape for p in params]
         self.full = full
@@ -25,7 +31,7 @@ class Unit:
         self.grad_owned: torch.Tensor | None = None  # reduced gradient of the owned span
         self.master: torch.Tensor | None = None  # fp32 owned span (may alias the params)
         self.master_views: list[tuple[torch.Tensor, int, int]] = []  # optimizer parameters
-        self.owned: tuple[int, int] = (0, plan.padded_numel)
+        self.owned = Span(0, bucket.numel)
         self.num_ready = 0
         self.written: set[int] = set()  # slots written this backward
         self.fresh = True  # `grad` holds nothing of this accumulation window (skip the memset)
@@ -35,15 +41,15 @@ class Unit:
 
     def bind_params(self) -> None:
         """Points every parameter at its slice of `full` (or at nothing)."""
-        for param, slot, shape in zip(self.params, self.plan.slots, self.shapes):
+        for param, span, shape in zip(self.params, self.spans, self.shapes):
             if self.full is None:
-                param.data = torch.empty(0, dtype=self.shard.dtype)
+                param.data = torch.empty(0, dtype=self.shard.dtype, device=self.shard.device)
             else:
-                param.data = self.full[slot.begin:slot.end].view(shape)
+                param.data = self.full[span.begin:span.end].view(shape)
 
     def start_unshard(self, comm: Comm) -> None:
         if self.full is None and self.gather is None:
-            self.full = torch.empty(self.plan.padded_numel, dtype=self.shard.dtype)
+            self.full = torch.empty(self.bucket.numel, dtype=self.shard.dtype, device=self.shard.device)
             self.gather = comm.all_gather(self.full, self.shard, async_op=True)
 
     def finish_unshard(self, comm: Comm) -> None:
@@ -54,7 +60,7 @@ class Unit:
             self.bind_params()
 
     def reshard(self) -> None:
-        if self.plan.resident or self.full is None:
+        if self.bucket.resident or self.full is None:
             return
         if self.gather is not None:
             self.gather.wait()
@@ -63,37 +69,21 @@ class Unit:
         self.bind_params()
 
 
-def build_units(params: list[nn.Parameter], plans: tuple[UnitPlan, ...], rank: int, comm: Comm) -> list[Unit]:
-    """Copies parameters into unit buffers (rank 0's values win), then keeps
-    only the chunk of non-resident units."""
+def build_units(params: list[nn.Parameter], layout: BufferLayout, rank: int, comm: Comm) -> list[Unit]:
+    """Copies parameters into bucket buffers on their device (rank 0's values
+    win), then keeps only the chunk of non-resident buckets."""
     units = []
-    for plan in plans:
-        members = [params[slot.index] for slot in plan.slots]
-        dtype = members[0].dtype
-        full = torch.zeros(plan.padded_numel, dtype=dtype)
-        for param, slot in zip(members, plan.slots):
-            full[slot.begin:slot.end].copy_(param.detach().reshape(-1))
+    for bucket in layout.buckets:
+        members = [params[i] for i in bucket.param_indices]
+        full = torch.zeros(bucket.numel, dtype=members[0].dtype, device=members[0].device)
+        for index, param in zip(bucket.param_indices, members):
+            span = layout.local(index)
+            full[span.begin:span.end].copy_(param.detach().reshape(-1))
         comm.broadcast(full, 0)
-        begin, end = plan.chunk(rank)
-        shard = full[begin:end] if plan.resident else full[begin:end].clone()
-        unit = Unit(plan, members, full if plan.resident else None, shard, rank)
+        chunk = bucket.local_chunk(rank)
+        shard = full[chunk.begin:chunk.end]
+        unit = Unit(layout, bucket, members, full if bucket.resident else None,
+                    shard if bucket.resident else shard.clone(), rank)
         unit.bind_params()
         units.append(unit)
     return units
-
-
-def units_on_buffer(buffer, plans: tuple[UnitPlan, ...], params: list[nn.Parameter], rank: int,
-                    comm: Comm) -> list[Unit]:
-    """Units that are views of a ringcomm FlatBuffer holding `params` (data and
-    gradients), one per bucket of its layout (rank 0's values win)."""
-    units = []
-    for bucket, plan in enumerate(plans):
-        full = buffer.bucket_view(bucket, "data")
-        comm.broadcast(full, 0)
-        unit = Unit(plan, [params[slot.index] for slot in plan.slots], full,
-                    buffer.shard_view(bucket, rank, "data"), rank)
-        unit.grad = buffer.bucket_view(bucket, "grad")
-        unit.bind_params()  # the same memory FlatBuffer bound
-        units.append(unit)
-    return units
-
