@@ -1,11 +1,13 @@
-"""Flat buffers: one contiguous 1-D tensor per dtype that owns the gradients
-(and optionally the values) of many parameters, laid out by ringcomm.layout.
+"""Gradient storage of buckets laid out by ringcomm.layout.
 
-Each parameter's `.grad` (and `.data` when views_for has "data") is a view
-into the buffer; the buffer is allocated once and reused every step.
-`optimizer.zero_grad(set_to_none=True)` detaches `.grad` from the buffer:
-`bind_grad` (called by the BucketScheduler when a gradient is ready) copies
-it back and restores the view, at the cost of one copy. Prefer `zero_grad()`.
+- FlatBuffer: one contiguous 1-D tensor per dtype that owns the gradients (and
+  optionally the values) of many parameters; each parameter's `.grad` (and
+  `.data` when views_for has "data") is a view into it, allocated once.
+- GradBucket: what the BucketScheduler writes and reduces for one bucket: the
+  whole bucket's gradients (a persistent view of a FlatBuffer, or a transient
+  tensor that lives from the bucket's first gradient to the end of its
+  reduction) and, for sharded gradients, this rank's chunk accumulated over
+  micro-steps.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from .layout import BufferLayout, plan_buckets
+from .schedule import Span
 
 Allocate = Callable[[int, torch.dtype], torch.Tensor]
 VIEW_KINDS = ("grad", "data")
@@ -125,6 +128,78 @@ class FlatBuffer:
     def __repr__(self) -> str:
         return (f"FlatBuffer({len(self.params)} params, {self.dtype}, {self.device}, numel={self.layout.numel}, "
                 f"buckets={len(self.layout.buckets)}, views_for={self.views_for})")
+
+
+class GradBucket:
+    """The gradients of bucket `index` of `layout` on this rank.
+
+    `grad` holds the whole padded bucket: `persistent` (a view of a FlatBuffer,
+    kept across steps) or, when None, allocated by `ensure()` and dropped by
+    `release()`. `sharded`: the bucket is reduced every backward into
+    `accumulator`, this rank's chunk summed over micro-steps (ZeRO stages 2-3).
+    `fresh`: the next write starts a new accumulation window (overwrites).
+    """
+
+    def __init__(self, layout: BufferLayout, index: int, params: Sequence[torch.nn.Parameter], rank: int, *,
+                 persistent: torch.Tensor | None = None, sharded: bool = False) -> None:
+        self.layout = layout
+        self.span = layout.buckets[index]
+        self.index = index
+        self.params = list(params)
+        self.indices = self.span.param_indices
+        self.spans = [layout.local(i) for i in self.indices]
+        self.chunk: Span = self.span.local_chunk(rank)
+        self.dtype, self.device = self.params[0].dtype, self.params[0].device
+        self.persistent = persistent is not None
+        self.grad = persistent
+        self.accumulator = torch.zeros(self.chunk.numel, dtype=self.dtype, device=self.device) if sharded else None
+        self.fresh = True
+        self.accumulator_fresh = True
+        self.num_ready = 0
+        self.written: set[int] = set()  # parameter indices written since the window began
+
+    def ensure(self) -> torch.Tensor:
+        """The whole-bucket gradient tensor (allocating a transient one; its
+        padding is zero and stays zero through every reduction)."""
+        if self.grad is None:
+            self.grad = torch.empty(self.span.numel, dtype=self.dtype, device=self.device)
+            self.grad[self.span.data_numel:].zero_()
+            self.fresh = True
+        return self.grad
+
+    def release(self) -> None:
+        if not self.persistent:
+            self.grad = None
+
+    def write(self, position: int, grad: torch.Tensor, scale: float) -> None:
+        """Adds `grad * scale` to parameter `position`'s slice (overwrites when fresh)."""
+        span, target = self.spans[position], self.ensure()
+        view = target[span.begin:span.end]
+        if self.fresh:
+            torch.mul(grad.reshape(-1), scale, out=view)
+        else:
+            view.add_(grad.reshape(-1), alpha=scale)
+        self.written.add(self.indices[position])
+
+    def fill_unwritten(self) -> None:
+        """Zeroes the slices of parameters that got no gradient in a fresh window."""
+        target = self.ensure()
+        if self.fresh:
+            for index, span in zip(self.indices, self.spans):
+                if index not in self.written:
+                    target[span.begin:span.end].zero_()
+
+    def own_chunk(self) -> torch.Tensor:
+        """This rank's chunk of the whole-bucket gradient."""
+        return self.ensure()[self.chunk.begin:self.chunk.end]
+
+    @property
+    def nbytes(self) -> int:
+        return self.span.numel * self.params[0].element_size()
+
+    def __repr__(self) -> str:
+        kind = "sharded" if self.accumulator is not None else "persistent" if self.persistent else "transient"
+        return f"GradBucket({self.index}, {len(self.params)} params, numel={self.span.numel}, {kind})"
 
 
 def flat_buffers(params: Iterable[torch.nn.Parameter], *, world_size: int, bucket_bytes: int,

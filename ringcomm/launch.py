@@ -20,24 +20,27 @@ class OverlapReport(NamedTuple):
     """One step of gradient sync. comm_s: time the bucket collectives ran;
     exposed_s: the part of it after backward ended (finish() was called);
     hidden_fraction: 1 - exposed_s / comm_s (1.0 when there was no comm);
-    wait_s: wall time finish() spent waiting."""
+    wait_s: wall time finish() spent waiting; num_overlapped: buckets launched
+    before backward ended (from gradient hooks)."""
 
     num_buckets: int
     comm_s: float
     exposed_s: float
     hidden_fraction: float
     wait_s: float
+    num_overlapped: int = 0
 
 
 EMPTY_REPORT = OverlapReport(0, 0.0, 0.0, 1.0, 0.0)
 
 
-def overlap_report(intervals: Sequence[tuple[float, float]], backward_end_s: float, wait_s: float) -> OverlapReport:
+def overlap_report(intervals: Sequence[tuple[float, float]], backward_end_s: float, wait_s: float,
+                   num_overlapped: int = 0) -> OverlapReport:
     """From each bucket's (start, end) times, in one clock with backward_end_s."""
     comm_s = sum(end - start for start, end in intervals)
     exposed_s = sum(max(0.0, end - max(start, backward_end_s)) for start, end in intervals)
     hidden = 1.0 - exposed_s / comm_s if comm_s > 0 else 1.0
-    return OverlapReport(len(intervals), comm_s, exposed_s, hidden, wait_s)
+    return OverlapReport(len(intervals), comm_s, exposed_s, hidden, wait_s, num_overlapped)
 
 
 class ThreadLaunch:
@@ -47,7 +50,8 @@ class ThreadLaunch:
     bucket starts when it was launched or when the one before it ended,
     whichever is later; it ends when its Work completes (timed by a callback
     on the comm thread). Other works queued on the group in between are
-    counted in the next bucket's time."""
+    counted in the next bucket's time. A torch.distributed Work without a
+    future (gloo's reduce_scatter_tensor has none) is timed when wait() returns."""
 
     def __init__(self, start: StartCollective, what: str, previous_end: Callable[[], float]) -> None:
         self.what = what
@@ -57,16 +61,26 @@ class ThreadLaunch:
         self.end_s = 0.0
         self.work = start(True)
         assert self.work is not None, "an async collective returns a Work"
-        self.work.get_future().add_done_callback(self._on_done)
+        try:
+            future = self.work.get_future()
+        except RuntimeError:  # "Work::getFuture not implemented"
+            future = None
+        if future is not None:
+            future.add_done_callback(self._on_done)
+        self._timed_by_callback = future is not None
 
     def _on_done(self, _future: object) -> None:
         self.end_s = time.perf_counter()
         self._done.set()
 
     def wait(self, timeout: float) -> None:
-        self.work.wait(timeout)
-        if not self._done.wait(timeout):
-            raise RuntimeError(f"{self.what}: completion callback did not run within {timeout} s")
+        """Waits at most `timeout` s (the collective's own timeout may fire
+        first), then re-raises the collective's error."""
+        if self._timed_by_callback and not self._done.wait(timeout):
+            raise RuntimeError(f"{self.what}: not finished within {timeout} s")
+        self.work.wait()
+        if not self._timed_by_callback and not self._done.is_set():
+            self._on_done(None)
 
     def interval(self) -> tuple[float, float]:
         return max(self.launched_s, self._previous_end()), self.end_s
@@ -82,6 +96,7 @@ class StreamLaunch:
 
     def __init__(self, start: StartCollective, what: str, comm_stream: torch.cuda.Stream) -> None:
         self.what = what
+        self.launched_s = time.perf_counter()
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream())
         comm_stream.wait_event(ready)
@@ -103,8 +118,8 @@ class StreamLaunch:
 
 
 def stream_report(launches: Sequence[StreamLaunch], reference: torch.cuda.Event, backward_end: torch.cuda.Event,
-                  wait_s: float) -> OverlapReport:
+                  wait_s: float, num_overlapped: int) -> OverlapReport:
     """The OverlapReport of CUDA launches, all timed against `reference`."""
     backward_end.synchronize()
     intervals = [launch.interval_after(reference) for launch in launches]
-    return overlap_report(intervals, reference.elapsed_time(backward_end) / 1e3, wait_s)
+    return overlap_report(intervals, reference.elapsed_time(backward_end) / 1e3, wait_s, num_overlapped)

@@ -1,74 +1,145 @@
-"""BucketScheduler: reduces the gradients of flat buffers bucket by bucket
-while backward is still running, and reports how much of it was hidden.
+"""BucketScheduler: reduces the gradients of bucketed parameters while backward
+is still running (DDP-style flat buffers, and every ZeRO stage), and reports
+how much of it was hidden.
 
 [Note: bucket launch order]
 Ranks must issue the same collectives in the same order. A bucket is launched
 when all its parameters are marked ready *and* every bucket before it in the
 launch order has been launched; the launch order is fixed for all ranks by the
-layout (expected ready order), never by the order gradients happen to arrive.
+expected ready order (reverse registration, or rank 0's observed order after
+rebuild_buckets), never by the order gradients happen to arrive on this rank.
+
+[Note: writing gradients]
+Each gradient is written into its bucket once, from its post-accumulate-grad
+hook. With `bind_grads` (flat buffers, DDP-style) `.grad` becomes the bucket's
+view: later micro-steps accumulate into it in place and the reduced result is
+read through `.grad`. Without it (ZeRO) the hook adds `grad * scale` into the
+bucket (overwriting in a fresh accumulation window: no memset) and drops
+`.grad`. Sharded buckets (ZeRO stages 2-3) are transient: reduce-scattered
+every backward, their chunk folded into a chunk-sized accumulator, freed.
 
 Timeline of one step (CPU; on CUDA the comm thread is a comm stream):
 
     backward: |grads of bucket 0|grads of bucket 1|grads of bucket 2| finish(): wait
     comm:                       |   bucket 0      |   bucket 1      | bucket 2 |
                                                                     ^ backward end: after it, comm is exposed
-
-Contract per step: zero the gradients (`zero_grad()`), run backward (the hooks
-call `mark_ready`), call `finish()`. After finish(), in "all_reduce" mode every
-.grad holds the reduced gradient; in "reduce_scatter" mode only this rank's
-chunk of each bucket does (`grad_shards()`), and the rest of the buffer holds
-undefined partial sums until the next zero_grad().
 """
 from __future__ import annotations
 
 import contextlib
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Protocol
 
 import torch
 
-from .buffer import FlatBuffer
+from .buffer import FlatBuffer, GradBucket
 from .collectives import all_reduce, broadcast, reduce_scatter
 from .group import Group, resolve_group
-from .launch import EMPTY_REPORT, OverlapReport, StartCollective, StreamLaunch, ThreadLaunch, overlap_report, stream_report
+from .launch import EMPTY_REPORT, OverlapReport, StreamLaunch, ThreadLaunch, overlap_report, stream_report
 from .ops import ReduceOp, to_reduce_op
+from .work import Work
 
 MODES = ("reduce_scatter", "all_reduce")
 Slot = tuple[int, int]  # (buffer index, parameter index in that buffer)
 
 
+class Collectives(Protocol):
+    """The two collectives the scheduler launches (a ringcomm group, or zero's
+    comm seam over torch.distributed). Handles have wait() and get_future()."""
+
+    rank: int
+    world_size: int
+
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False) -> Work: ...
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Work: ...
+
+
+class GroupCollectives:
+    """A ringcomm Group with a fixed reduce op, as Collectives."""
+
+    def __init__(self, group: Group, op: ReduceOp) -> None:
+        self.group, self.op = group, op
+        self.rank, self.world_size = group.rank, group.world_size
+
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False) -> Work:
+        return all_reduce(tensor, self.op, self.group, async_op) or Work.completed("all_reduce", self.rank)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Work:
+        return reduce_scatter(output, input, self.op, self.group, async_op) or Work.completed("reduce_scatter", self.rank)
+
+
 class BucketScheduler:
-    """Launches each bucket's collective as soon as its gradients are ready."""
+    """Launches each bucket's collective as soon as its gradients are ready.
+
+    BucketScheduler(buffers, group, ...) serves flat buffers (`.grad` are views
+    of the buffers); BucketScheduler.for_buckets(...) serves GradBuckets laid
+    out by their owner (the ZeRO engine). Per step: run backward (the hooks
+    call mark_ready), then finish(); zero_grad() starts a new accumulation window.
+    """
 
     def __init__(self, buffers: Sequence[FlatBuffer], group: Group | None = None, *, mode: str = "reduce_scatter",
                  op: object = ReduceOp.AVG, overlap: bool = True, find_unused_parameters: bool = False,
                  timeout: float | None = None) -> None:
-        if mode not in MODES:
-            raise ValueError(f"BucketScheduler: mode={mode!r} is not one of {MODES}")
         if len({b.device.type for b in buffers}) > 1:
             raise ValueError(f"BucketScheduler: buffers on {[str(b.device) for b in buffers]}: use one scheduler per device type")
-        self.buffers = list(buffers)
-        self.group = resolve_group(group, "BucketScheduler")
-        for buffer in self.buffers:
-            if buffer.world_size != self.group.world_size:
+        group = resolve_group(group, "BucketScheduler")
+        for buffer in buffers:
+            if buffer.world_size != group.world_size:
                 raise ValueError(f"BucketScheduler: {buffer} was laid out for world_size {buffer.world_size}, "
-                                 f"the group has {self.group.world_size} (rank {self.group.rank})")
-        self.mode, self.op = mode, to_reduce_op(op, where="BucketScheduler")
-        self.overlap, self.find_unused_parameters = overlap, find_unused_parameters
-        self.timeout_s = timeout if timeout is not None else self.group.transport.timeout_s + 5.0
-        self._slot_of = {id(p): (b, i) for b, buf in enumerate(self.buffers) for i, p in enumerate(buf.params)}
-        self._registration: list[Slot] = [(b, i) for b, buf in enumerate(self.buffers) for i in range(len(buf.params))]
-        self._names: dict[Slot, str] = {}
+                                 f"the group has {group.world_size} (rank {group.rank})")
+        self.group = group
+        self.buffers = list(buffers)
+        collectives = GroupCollectives(group, to_reduce_op(op, where="BucketScheduler"))
+        self._init(self._buffer_buckets(), collectives, mode=mode, overlap=overlap, bind_grads=True,
+                   find_unused_parameters=find_unused_parameters,
+                   timeout_s=timeout if timeout is not None else group.transport.timeout_s + 5.0)
+
+    @classmethod
+    def for_buckets(cls, buckets: Sequence[GradBucket], collectives: Collectives, *, mode: str, scale: float,
+                    timeout_s: float, on_launch: Callable[[GradBucket], None] | None = None) -> BucketScheduler:
+        """Buckets whose owner keeps their parameters' values (ZeRO): gradients
+        are added times `scale` into the buckets and `.grad` is dropped;
+        parameters without a gradient count as zero; `on_launch(bucket)` runs
+        right after each bucket's collective started."""
+        self = cls.__new__(cls)
+        self.group, self.buffers = None, []
+        self._init(list(buckets), collectives, mode=mode, overlap=True, bind_grads=False, scale=scale,
+                   find_unused_parameters=True, timeout_s=timeout_s, on_launch=on_launch)
+        return self
+
+    def _init(self, buckets: list[GradBucket], collectives: Collectives, *, mode: str, overlap: bool,
+              bind_grads: bool, find_unused_parameters: bool, timeout_s: float, scale: float = 1.0,
+              on_launch: Callable[[GradBucket], None] | None = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"BucketScheduler: mode={mode!r} is not one of {MODES}")
+        self.mode, self.collectives, self.overlap = mode, collectives, overlap
+        self.bind_grads, self.scale, self.on_launch = bind_grads, scale, on_launch
+        self.find_unused_parameters, self.timeout_s = find_unused_parameters, timeout_s
+        self.buckets = buckets
+        self._params = [p for bucket in buckets for p in bucket.params]  # registration order until register_hooks
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._names: dict[int, str] = {}
         self._lock = threading.Lock()
         self._sync_enabled = True
         self._comm_stream: torch.cuda.Stream | None = None
-        self._launch_order = self._plan_launch_order(None)
         self._report: OverlapReport | None = EMPTY_REPORT
-        self._lazy_report = None
-        self._last_observed: list[Slot] = []
+        self._lazy_report: Callable[[], OverlapReport] | None = None
+        self._last_observed: list[torch.nn.Parameter] = []
+        self.transient_nbytes = self.peak_transient_nbytes = 0
+        self._index_params()
+        self._launch_order = self._plan_launch_order(None)
         self._reset_step()
+
+    def _buffer_buckets(self) -> list[GradBucket]:
+        return [GradBucket(buffer.layout, k, [buffer.params[i] for i in span.param_indices], self.group.rank,
+                           persistent=buffer.bucket_view(k)) for buffer in self.buffers for k, span in
+                enumerate(buffer.layout.buckets)]
+
+    def _index_params(self) -> None:
+        self._where = {id(p): (k, n) for k, bucket in enumerate(self.buckets) for n, p in enumerate(bucket.params)}
 
     # -- set-up ---------------------------------------------------------------
     def register_hooks(self, params: Iterable[torch.nn.Parameter | tuple[str, torch.nn.Parameter]]) -> None:
@@ -81,15 +152,14 @@ class BucketScheduler:
             name, param = item if isinstance(item, tuple) else (None, item)
             if not param.requires_grad:
                 continue
-            slot = self._slot_of.get(id(param))
-            if slot is None:
+            if id(param) not in self._where:
                 raise ValueError(f"BucketScheduler.register_hooks: parameter {name or tuple(param.shape)} requires "
-                                 f"grad but is in none of the {len(self.buffers)} buffers (rank {self.group.rank})")
-            registration.append(slot)
-            self._names[slot] = name or f"buffer {slot[0]} param {slot[1]} {tuple(param.shape)}"
+                                 f"grad but is in none of the {len(self.buckets)} buckets (rank {self.collectives.rank})")
+            registration.append(param)
+            self._names[id(param)] = name or f"parameter {tuple(param.shape)} {param.dtype}"
             self._hooks.append(param.register_post_accumulate_grad_hook(self.mark_ready))
-        missing = set(self._registration) - set(registration)
-        self._registration = registration + sorted(missing)
+        seen = {id(p) for p in registration}
+        self._params = registration + [p for p in self._params if id(p) not in seen]
         self._launch_order = self._plan_launch_order(None)
 
     def remove_hooks(self) -> None:
@@ -97,128 +167,191 @@ class BucketScheduler:
             hook.remove()
         self._hooks.clear()
 
-    def _plan_launch_order(self, observed: Sequence[Slot] | None) -> list[Slot]:
-        """Buckets sorted by when their last gradient is expected: `observed`
-        ready order, else reverse registration order. See [Note: bucket launch order]."""
-        expected = list(observed) if observed is not None else self._registration[::-1]
-        position = {slot: n for n, slot in enumerate(expected)}
-        keys = []
-        for b, buffer in enumerate(self.buffers):
-            for bucket in buffer.layout.buckets:
-                last = max(position.get((b, i), len(position)) for i in bucket.param_indices)
-                keys.append((last, b, bucket.index))
-        return [(b, k) for _, b, k in sorted(keys)]
+    def _plan_launch_order(self, observed: Sequence[torch.nn.Parameter] | None) -> list[int]:
+        """Buckets sorted by when their last gradient is expected. See [Note: bucket launch order]."""
+        expected = list(observed) if observed is not None else self._params[::-1]
+        position = {id(p): n for n, p in enumerate(expected)}
+        keys = [(max((position.get(id(p), len(position)) for p in bucket.params), default=0), k)
+                for k, bucket in enumerate(self.buckets)]
+        return [k for _, k in sorted(keys)]
 
     def rebuild_buckets(self) -> None:
-        """Collective: re-lays out every buffer in rank 0's ready order of the
-        last synchronized step (allocates new buffers: call it once, after the
-        first step, before an optimizer captures views of the buffers)."""
-        ids = {slot: n for n, slot in enumerate(self._registration)}
-        observed_set = set(self._last_observed)
-        seen = [ids[s] for s in self._last_observed] + [n for s, n in ids.items() if s not in observed_set]
+        """Collective (flat buffers): re-lays out every buffer in rank 0's ready
+        order of the last synchronized step (allocates new buffers: call it
+        once, after the first step, before an optimizer captures views)."""
+        ids = {id(p): n for n, p in enumerate(self._params)}
+        seen = [ids[id(p)] for p in self._last_observed]
+        seen += [n for n in range(len(self._params)) if n not in set(seen)]
         order = torch.tensor(seen, dtype=torch.int64)
         broadcast(order, 0, self.group)
-        observed = [self._registration[n] for n in order.tolist()]
-        for b, buffer in enumerate(self.buffers):
-            buffer.reorder([i for bb, i in observed if bb == b])
+        observed = [self._params[n] for n in order.tolist()]
+        for buffer in self.buffers:
+            members = {id(p) for p in buffer.params}
+            buffer.reorder([buffer.index_of(p) for p in observed if id(p) in members])
+        self.buckets = self._buffer_buckets()
+        self._index_params()
         self._launch_order = self._plan_launch_order(observed)
         self._reset_step()
 
     # -- one step -------------------------------------------------------------
     def _reset_step(self) -> None:
-        self._remaining = {(b, k.index): len(k.param_indices) for b, buf in enumerate(self.buffers)
-                           for k in buf.layout.buckets}
-        self._marked: set[Slot] = set()
-        self._observed: list[Slot] = []
+        self._marked: set[int] = set()
+        self._observed: list[torch.nn.Parameter] = []
         self._next_launch = 0
         self._launches: list[ThreadLaunch | StreamLaunch] = []
         self._active = False
+        for bucket in self.buckets:
+            bucket.num_ready = 0
 
     def mark_ready(self, param: torch.Tensor) -> None:
-        """Param's gradient is final for this backward: (re)binds .grad to the
-        buffer and launches every bucket that is now complete, in launch order."""
-        slot = self._slot_of.get(id(param))
-        if slot is None:
+        """Param's gradient is final for this backward: writes it into its bucket
+        and launches every bucket that is now complete, in launch order."""
+        where = self._where.get(id(param))
+        if where is None:
             raise ValueError(f"BucketScheduler.mark_ready: parameter {tuple(param.shape)} {param.dtype} is in no "
-                             f"buffer (rank {self.group.rank})")
+                             f"bucket (rank {self.collectives.rank})")
+        bucket = self.buckets[where[0]]
         with self._lock:
-            self.buffers[slot[0]].bind_grad(param)
+            self._take(bucket, where[1], param)
             if not self._sync_enabled:
                 return
-            if slot in self._marked:
-                raise RuntimeError(f"BucketScheduler.mark_ready: {self._name(slot)} marked ready twice in one step on "
-                                   f"rank {self.group.rank}: call finish() after each backward (or use no_sync())")
+            if id(param) in self._marked:
+                raise RuntimeError(f"BucketScheduler.mark_ready: {self._name(param)} marked ready twice in one step "
+                                   f"on rank {self.collectives.rank}: call finish() after each backward (or use no_sync())")
             self._active = True
-            self._marked.add(slot)
-            self._observed.append(slot)
-            bucket = (slot[0], self.buffers[slot[0]].layout.params[slot[1]].bucket)
-            self._remaining[bucket] -= 1
-            if self.overlap and self._remaining[bucket] == 0:
+            self._marked.add(id(param))
+            self._observed.append(param)
+            bucket.num_ready += 1
+            if self.overlap and bucket.num_ready == len(bucket.params):
                 self._launch_ready()
+
+    def _take(self, bucket: GradBucket, position: int, param: torch.Tensor) -> None:
+        """See [Note: writing gradients]."""
+        if self.bind_grads:
+            self._bind(bucket, position, param)
+            return
+        if bucket.grad is None:
+            self._track(bucket.nbytes)
+        bucket.write(position, param.grad, self.scale)
+        param.grad = None
+
+    def _bind(self, bucket: GradBucket, position: int, param: torch.Tensor) -> None:
+        span = bucket.spans[position]
+        view = bucket.grad[span.begin:span.end].view(param.shape)
+        grad = param.grad
+        if grad is not None and grad.data_ptr() == view.data_ptr() and grad.shape == view.shape:
+            return
+        if grad is not None:
+            view.copy_(grad)
+        else:
+            view.zero_()
+        param.grad = view
 
     def _launch_ready(self) -> None:
         while self._next_launch < len(self._launch_order):
-            b, k = self._launch_order[self._next_launch]
-            if self._remaining[(b, k)] > 0:
+            bucket = self.buckets[self._launch_order[self._next_launch]]
+            if bucket.num_ready < len(bucket.params):
                 return
             self._next_launch += 1
-            self._launch(b, k)
+            self._launch(bucket)
 
-    def _launch(self, b: int, k: int) -> None:
-        buffer = self.buffers[b]
-        if buffer.layout.buckets[k].numel == 0:
+    def _launch(self, bucket: GradBucket) -> None:
+        if bucket.span.numel == 0:
             return
-        what = f"BucketScheduler {self.mode} of buffer {b} ({buffer.dtype}) bucket {k} on rank {self.group.rank}"
-        start = self._start_fn(buffer, k)
-        if buffer.device.type == "cuda":
+        if not self.bind_grads:
+            bucket.fill_unwritten()
+        what = f"BucketScheduler {self.mode} of bucket {bucket.index} ({bucket.dtype}) on rank {self.collectives.rank}"
+        grad, comm = bucket.ensure(), self.collectives
+        if self.mode == "all_reduce":
+            def start(async_op: bool) -> Work:
+                return comm.all_reduce(grad, async_op)
+        else:
+            direct = bucket.accumulator is not None and bucket.accumulator_fresh  # straight into the accumulator
+            output = bucket.accumulator if direct else bucket.own_chunk()
+
+            def start(async_op: bool) -> Work:
+                return comm.reduce_scatter(output, grad, async_op)
+        if bucket.device.type == "cuda":
             if self._comm_stream is None:
-                self._comm_stream = torch.cuda.Stream(buffer.device)
+                self._comm_stream = torch.cuda.Stream(bucket.device)
             self._launches.append(StreamLaunch(start, what, self._comm_stream))
         else:
             previous = self._launches[-1] if self._launches else None
             self._launches.append(ThreadLaunch(start, what, lambda: previous.end_s if previous else 0.0))
-
-    def _start_fn(self, buffer: FlatBuffer, k: int) -> StartCollective:
-        bucket, op, group = buffer.bucket_view(k), self.op, self.group
-        if self.mode == "all_reduce":
-            return lambda async_op: all_reduce(bucket, op, group, async_op)
-        shard = buffer.shard_view(k, group.rank)
-        return lambda async_op: reduce_scatter(shard, bucket, op, group, async_op)
+        if self.on_launch is not None:
+            self.on_launch(bucket)
 
     def finish(self) -> OverlapReport:
-        """Waits for every bucket in launch order (launching those that backward
-        did not); idempotent; a no-op under no_sync(). Returns the step's report."""
-        if not self._sync_enabled or not self._active:
+        """After each backward: waits for every bucket in launch order (launching
+        those that backward did not) and folds sharded buckets into their
+        accumulators; idempotent. Under no_sync() it only closes the micro-step.
+        Returns the step's report."""
+        if not self._sync_enabled:
+            self._close_unsynced_backward()
+            return self.report
+        if not self._active:
             return self.report
         backward_end_s, backward_end = time.perf_counter(), self._cuda_mark()
         with self._lock:
-            unused = [slot for slot in self._registration if slot not in self._marked]
-            if unused and not self.find_unused_parameters:
-                self._wait_all()
-                self._reset_step()
-                names = [self._name(slot) for slot in unused]
-                raise RuntimeError(f"BucketScheduler.finish: rank {self.group.rank}: {len(unused)} parameters got no "
-                                   f"gradient this step: {names[:16]}; pass find_unused_parameters=True to treat "
-                                   f"them as zero")
-            for b, i in unused:
-                self.buffers[b].bind_grad(self.buffers[b].params[i])
-                self._remaining[(b, self.buffers[b].layout.params[i].bucket)] -= 1
+            self._count_unused()
             self._launch_ready()
             assert self._next_launch == len(self._launch_order), "every bucket is complete at finish()"
             self._wait_all()
             wait_s = time.perf_counter() - backward_end_s
             self._set_report(backward_end_s, backward_end, wait_s)
+            self._fold()
             self._last_observed = self._observed
             self._reset_step()
         return self.report
+
+    def _count_unused(self) -> None:
+        unused = [p for p in self._params if id(p) not in self._marked]
+        if unused and not self.find_unused_parameters:
+            self._wait_all()
+            self._reset_step()
+            names = [self._name(p) for p in unused]
+            raise RuntimeError(f"BucketScheduler.finish: rank {self.collectives.rank}: {len(unused)} parameters got no "
+                               f"gradient this step: {names[:16]}; pass find_unused_parameters=True to treat them as zero")
+        for param in unused:
+            k, position = self._where[id(param)]
+            if self.bind_grads:
+                self._bind(self.buckets[k], position, param)
+            self.buckets[k].num_ready += 1
+
+    def _fold(self) -> None:
+        """Sharded buckets: add the reduced chunk to the accumulator (unless it
+        was reduced straight into it) and free the transient bucket."""
+        for bucket in self.buckets:
+            if bucket.accumulator is not None and bucket.grad is not None:
+                if not bucket.accumulator_fresh:
+                    bucket.accumulator.add_(bucket.own_chunk())
+                bucket.accumulator_fresh = False
+                self._track(-bucket.nbytes)
+                bucket.release()
+            bucket.fresh = False
+            bucket.written.clear()
+
+    def _close_unsynced_backward(self) -> None:
+        """End of a backward under no_sync(): written gradients stay in their
+        buckets; slices no gradient reached in a fresh window become zeros."""
+        with self._lock:
+            for bucket in self.buckets:
+                if not self.bind_grads and bucket.written:
+                    bucket.fill_unwritten()
+                bucket.fresh = bucket.fresh and not bucket.written
+                bucket.written.clear()
 
     def _wait_all(self) -> None:
         for launch in self._launches:
             launch.wait(self.timeout_s)
 
+    def _track(self, nbytes: int) -> None:
+        self.transient_nbytes += nbytes
+        self.peak_transient_nbytes = max(self.peak_transient_nbytes, self.transient_nbytes)
+
     def _cuda_mark(self) -> torch.cuda.Event | None:
         """On CUDA, an event on the compute stream where backward ended."""
-        if not self.buffers or self.buffers[0].device.type != "cuda":
+        if not self.buckets or self.buckets[0].device.type != "cuda":
             return None
         end = torch.cuda.Event(enable_timing=True)
         end.record(torch.cuda.current_stream())
@@ -226,13 +359,16 @@ class BucketScheduler:
 
     def _set_report(self, backward_end_s: float, backward_end: torch.cuda.Event | None, wait_s: float) -> None:
         launches = self._launches
+        overlapped = sum(launch.launched_s < backward_end_s for launch in launches)
         if backward_end is None:
-            self._report = overlap_report([l.interval() for l in launches], backward_end_s, wait_s)  # type: ignore[union-attr]
+            intervals = [launch.interval() for launch in launches]  # type: ignore[union-attr]
+            self._report = overlap_report(intervals, backward_end_s, wait_s, overlapped)
         elif not launches:
-            self._report = OverlapReport(0, 0.0, 0.0, 1.0, wait_s)
+            self._report = OverlapReport(0, 0.0, 0.0, 1.0, wait_s, 0)
         else:  # CUDA: computed when read, so that finish() does not synchronize the host
             self._report = None
-            self._lazy_report = lambda: stream_report(launches, launches[0].start_event, backward_end, wait_s)  # type: ignore[union-attr]
+            self._lazy_report = lambda: stream_report(launches, launches[0].start_event, backward_end,  # type: ignore[union-attr]
+                                                      wait_s, overlapped)
 
     @property
     def report(self) -> OverlapReport:
@@ -244,7 +380,7 @@ class BucketScheduler:
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Gradient accumulation: backward passes inside only accumulate into
-        the buffers; the first backward after it synchronizes everything."""
+        the buckets; the first backward after it synchronizes everything."""
         previous, self._sync_enabled = self._sync_enabled, False
         try:
             yield
@@ -253,18 +389,22 @@ class BucketScheduler:
 
     # -- after a step -----------------------------------------------------------
     def grad_shards(self) -> list[list[torch.Tensor]]:
-        """This rank's chunk of every bucket of every buffer: [buffer][bucket]."""
-        rank = self.group.rank
+        """Flat buffers: this rank's chunk of every bucket of every buffer: [buffer][bucket]."""
+        rank = self.collectives.rank
         return [[buf.shard_view(k.index, rank) for k in buf.layout.buckets] for buf in self.buffers]
 
     def zero_grad(self) -> None:
+        """Starts a new accumulation window (flat buffers: zeroes them and keeps
+        every `.grad` bound; otherwise the next writes overwrite, no memset)."""
         for buffer in self.buffers:
             buffer.zero_grad()
+        for bucket in self.buckets:
+            bucket.fresh = bucket.accumulator_fresh = True
 
     def observed_order(self) -> list[Slot]:
-        """(buffer, param) slots in the order the last synchronized step marked them ready."""
-        return list(self._last_observed)
+        """Flat buffers: (buffer, param) slots in the order the last synchronized step marked them ready."""
+        slots = {id(p): (b, i) for b, buffer in enumerate(self.buffers) for i, p in enumerate(buffer.params)}
+        return [slots[id(p)] for p in self._last_observed]
 
-    def _name(self, slot: Slot) -> str:
-        b, i = slot
-        return self._names.get(slot) or f"buffer {b} param {i} {tuple(self.buffers[b].params[i].shape)}"
+    def _name(self, param: torch.Tensor) -> str:
+        return self._names.get(id(param)) or f"parameter {tuple(param.shape)} {param.dtype}"

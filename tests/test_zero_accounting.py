@@ -50,17 +50,18 @@ def check_memory_and_wire(rank: int, world_size: int, stage: int, dtype_name: st
     for step in range(2):
         train_step(engine, rank, step)
     group = engine.parts.group
-    assert group.reducer.last_num_overlapped == len(group.units) > 1, \
-        f"{case}: {group.reducer.last_num_overlapped} of {len(group.units)} buckets reduced during backward"
+    overlapped = group.scheduler.report.num_overlapped
+    assert overlapped == len(group.buckets) > 1, \
+        f"{case}: {overlapped} of {len(group.buckets)} buckets reduced during backward"
     report = engine.memory_report()
-    padding = len(engine.parts.group.units) * world_size  # elements added to split units evenly
+    padding = len(engine.parts.group.buckets) * world_size  # elements added to split buckets evenly
     expected = PAPER[stage](world_size) * psi
     assert abs(report.model_state_nbytes - expected) <= 16 * padding, f"{case}: {report} vs paper {expected:.0f} B"
     if stage >= 2:
         assert report.comm_buffer_nbytes > 0, f"{case}: transient buckets are reported apart: {report}"
-    if stage == 3:  # the next units were gathered (prefetched) while one was in use
-        unit_nbytes = max(u.bucket.numel for u in group.units) * 2
-        assert engine.parts.gatherer.peak_live_nbytes > unit_nbytes, f"{case}: no prefetch"
+    if stage == 3:  # the next buckets were gathered (prefetched) while one was in use
+        bucket_nbytes = max(b.span.numel for b in group.buckets) * 2
+        assert engine.parts.gatherer.peak_live_nbytes > bucket_nbytes, f"{case}: no prefetch"
     assert engine.parts.comm.kind == ("torch" if backend == "torch" else "ringcomm"), case
     sent_elements = engine.wire_report() / 2  # fp16 / bf16 elements
     expected_wire = WIRE[stage] * psi * (world_size - 1) / world_size

@@ -42,10 +42,10 @@ class _Storages:
 def memory_report(group: ParamGroup, optimizer: torch.optim.Optimizer, gathered_nbytes: int = 0) -> MemoryReport:
     """Measured between steps (stage 3 units resharded, no transient buckets)."""
     storages = _Storages()
-    params = storages.nbytes(u.full if u.bucket.resident else u.shard for u in group.units)
-    persistent_grads = [u.grad if not group.policy.shard_grads else u.grad_owned for u in group.units]
+    params = storages.nbytes(b.full if b.span.resident else b.shard for b in group.buckets)
+    persistent_grads = [b.grads.accumulator if group.policy.shard_grads else b.grads.grad for b in group.buckets]
     grads = storages.nbytes(persistent_grads)
     states = [t for state in optimizer.state.values() for t in state.values()
               if isinstance(t, torch.Tensor) and t.dim() > 0]
-    optimizer_nbytes = storages.nbytes(u.master for u in group.units) + storages.nbytes(states)
-    return MemoryReport(params, grads, optimizer_nbytes, group.reducer.peak_transient_nbytes + gathered_nbytes)
+    optimizer_nbytes = storages.nbytes(b.master for b in group.buckets) + storages.nbytes(states)
+    return MemoryReport(params, grads, optimizer_nbytes, group.scheduler.peak_transient_nbytes + gathered_nbytes)

@@ -1,4 +1,4 @@
-"""Assembles a ZeroEngine: process group, config, units, optimizer, hooks."""
+"""Assembles a ZeroEngine: process group, config, buckets, optimizer, hooks."""
 from __future__ import annotations
 
 import logging
@@ -15,11 +15,9 @@ from . import config as config_mod
 from . import optim
 from .comm import make_comm
 from .engine import EngineParts, ZeroEngine
-from .gather import UnitGatherer
-from .param_group import ParamGroup
+from .gather import ModuleGatherer
+from .param_group import ParamGroup, build_buckets
 from .precision import make_scaler
-from .reducer import BucketReducer
-from .unit import build_units
 
 log = logging.getLogger("zero")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -137,20 +135,15 @@ def build_engine(model: nn.Module, optimizer=None, model_parameters=None, lr_sch
     comm = make_comm(comm_backend or cfg.comm_backend or "ringcomm")
     comm.overlap = cfg.zero.overlap_comm
     layout, owners = plan_layout(model, params, cfg, world_size)
-    units = build_units(params, layout, rank, comm)
-    # gradients become ready in reverse forward order: stage 0-2 buckets are laid out
-    # that way already; stage 3 buckets follow the modules (forward order), resident last
-    order = units if not cfg.zero.policy.shard_params else \
-        [u for u in reversed(units) if not u.bucket.resident] + [u for u in units if u.bucket.resident]
-    reducer = BucketReducer(units, cfg.zero.policy, comm, order)
-    group = ParamGroup(units, cfg.zero.policy, comm, reducer)
+    buckets = build_buckets(params, layout, rank, comm)
+    group = ParamGroup(buckets, cfg.zero.policy, comm, timeout_s=comm.timeout_s)
     optim.rebind(optimizer, params, group.setup_masters())
-    reducer.register()
+    group.register_hooks(params)
     gatherer = None
     if cfg.zero.policy.shard_params:
-        gatherer = UnitGatherer({m: u for m, u in zip(owners, units) if m is not None}, comm,
-                                prefetch_numel=cfg.zero.prefetch_bucket_size,
-                                max_live_numel=cfg.zero.max_live_parameters)
+        gatherer = ModuleGatherer({m: b for m, b in zip(owners, buckets) if m is not None}, group,
+                                  prefetch_numel=cfg.zero.prefetch_bucket_size,
+                                  max_live_numel=cfg.zero.max_live_parameters)
         gatherer.register()
     scheduler = make_scheduler(lr_scheduler, optimizer, cfg)
     scaler = make_scaler(dtype, cfg.scaler)

@@ -21,7 +21,7 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
     os.makedirs(directory, exist_ok=True)
     scheduler = engine.lr_scheduler
     state = {
-        "masters": [unit.master.clone() for unit in group.units],  # a view would save its whole buffer
+        "masters": [bucket.master.clone() for bucket in group.buckets],  # a view would save its whole buffer
         "optimizer": engine.optimizer.state_dict(),
         "scaler": engine.parts.scaler.state_dict(),
         "scheduler": scheduler.state_dict() if scheduler is not None and hasattr(scheduler, "state_dict") else None,
@@ -55,12 +55,12 @@ def load(engine, load_dir: str, tag: str | None = None) -> tuple[str, dict]:
         raise ValueError(f"load_checkpoint: no {os.path.basename(path)} in {directory} (rank {comm.rank}); "
                          f"checkpoints load on the world size they were saved with")
     state = torch.load(path, weights_only=False)
-    if len(state["masters"]) != len(group.units):
-        raise ValueError(f"load_checkpoint: {directory} has {len(state['masters'])} units, this engine "
-                         f"{len(group.units)} (another stage or bucket size?) on rank {comm.rank}")
+    if len(state["masters"]) != len(group.buckets):
+        raise ValueError(f"load_checkpoint: {directory} has {len(state['masters'])} buckets, this engine "
+                         f"{len(group.buckets)} (another stage or bucket size?) on rank {comm.rank}")
     with torch.no_grad():
-        for unit, master in zip(group.units, state["masters"]):
-            unit.master.copy_(master)
+        for bucket, master in zip(group.buckets, state["masters"]):
+            bucket.master.copy_(master)
     engine.optimizer.load_state_dict(state["optimizer"])
     engine.parts.scaler.load_state_dict(state["scaler"])
     if state["scheduler"] is not None and engine.lr_scheduler is not None:

@@ -18,10 +18,19 @@ BACKENDS = ("ringcomm", "torch")
 class Handle(Protocol):
     def wait(self) -> object: ...
 
+    def get_future(self) -> torch.futures.Future: ...
+
 
 class _Done:
+    """The handle of a collective that already finished."""
+
     def wait(self) -> bool:
         return True
+
+    def get_future(self) -> torch.futures.Future:
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(None)
+        return future
 
 
 class Comm:
@@ -30,6 +39,7 @@ class Comm:
     this class handles world_size 1 and counts the wire bytes."""
 
     kind = "local"
+    timeout_s = 1800.0  # the longest a bucket's reduction is waited for (torch.distributed's default timeout)
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank
@@ -79,9 +89,10 @@ class Comm:
 class RingComm(Comm):
     kind = "ringcomm"
 
-    def __init__(self, rank: int, world_size: int, group: object) -> None:
+    def __init__(self, rank: int, world_size: int, group: ringcomm.Group) -> None:
         super().__init__(rank, world_size)
         self.group = group
+        self.timeout_s = group.transport.timeout_s + 5.0  # the group's own waits fail first
 
     def _all_reduce(self, tensor, async_op):
         return ringcomm.all_reduce(tensor, ringcomm.ReduceOp.SUM, self.group, async_op=async_op) or _Done()

@@ -13,7 +13,7 @@ from . import checkpoint
 from .accounting import MemoryReport, memory_report
 from .comm import Comm
 from .config import EngineConfig
-from .gather import UnitGatherer
+from .gather import ModuleGatherer
 from .param_group import ParamGroup
 from .precision import LossScaler
 
@@ -27,12 +27,12 @@ class EngineParts:
     scheduler: object | None
     config: EngineConfig
     group: ParamGroup
-    gatherer: UnitGatherer | None
+    gatherer: ModuleGatherer | None
     scaler: LossScaler
     comm: Comm
     dtype: torch.dtype
     param_names: list[str]
-    trainable: list  # the trainable parameters, in the units' parameter-index order
+    trainable: list  # the trainable parameters, in the buckets' parameter-index order
 
 
 class ZeroEngine:
@@ -69,7 +69,7 @@ class ZeroEngine:
         """Scales the loss (loss scale / accumulation steps), back-propagates and
         reduces the gradients (overlapped with backward by the bucket hooks)."""
         scale = self.parts.scaler.scale / self.gradient_accumulation_steps()
-        self.parts.group.reducer.backward(loss.float() * scale, self.is_gradient_accumulation_boundary())
+        self.parts.group.reduce_grads(loss.float() * scale, self.is_gradient_accumulation_boundary())
         return loss
 
     def step(self) -> None:
@@ -100,11 +100,7 @@ class ZeroEngine:
         clip = self.config.gradient_clipping
         if clip > 0 and clip / (norm + 1e-6) < 1.0:
             coef *= clip / (norm + 1e-6)
-        group.set_master_grads(grads, coef)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        group.publish_masters()
-        group.zero_grads()
+        group.step(self.optimizer, grads, coef)
         return True
 
     def was_step_applied(self) -> bool:

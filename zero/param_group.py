@@ -1,67 +1,176 @@
-"""ParamGroup: the model's trainable parameters in units (buckets), honouring a
-ShardingPolicy: what it keeps whole or as this rank's chunk, how gradients are
-reduced, and the optimizer step on the fp32 master shard.
+"""ParamGroup: the model's trainable parameters in ringcomm buckets, and every
+bucket's ZeRO state, honouring a ShardingPolicy. Its verbs are what the hooks
+and the engine call: unshard / reshard (stage 3), reduce_grads, step.
 
 [Note: one class, every stage]
     policy.shard_optimizer  grads are reduce-scattered (else all-reduced); the
                             master weights and optimizer states cover only this
-                            rank's chunk of each unit; resident units are
+                            rank's chunk of each bucket; resident buckets are
                             all-gathered after the step.
     policy.shard_grads      reduce every micro-step from a transient bucket into
                             a chunk-sized accumulator (else accumulate whole
                             gradients locally and reduce at the boundary);
-                            reducer.py runs the gradient side.
-    policy.shard_params     units are not resident: only the chunk is kept and
-                            gather.py unshards a unit around its module's use.
+                            ringcomm.overlap.BucketScheduler runs the gradient side.
+    policy.shard_params     buckets are not resident: only the chunk is kept and
+                            gather.py unshards a bucket around its module's use.
 """
 from __future__ import annotations
 
-import torch
+import contextlib
 
-from .comm import Comm
+import torch
+from torch import nn
+
+from ringcomm.buffer import GradBucket
+from ringcomm.layout import BufferLayout
+from ringcomm.overlap import BucketScheduler
+from ringcomm.schedule import Span
+
+from .comm import Comm, Handle
 from .partition import ShardingPolicy
-from .reducer import BucketReducer
-from .unit import Unit
+
+
+class ZeroBucket:
+    """One bucket's ZeRO state: parameter values (`full`: the whole padded
+    bucket, always for a resident bucket and while gathered otherwise;
+    `shard`: this rank's chunk), the fp32 master of the part this rank updates
+    (`owned`, bucket coordinates) and the gradient storage (`grads`)."""
+
+    def __init__(self, layout: BufferLayout, index: int, params: list[nn.Parameter], full: torch.Tensor | None,
+                 shard: torch.Tensor, rank: int) -> None:
+        self.span = layout.buckets[index]
+        self.layout = layout
+        self.indices = self.span.param_indices
+        self.spans = [layout.local(i) for i in self.indices]
+        self.params = params
+        self.shapes = [p.shape for p in params]
+        self.full = full
+        self.shard = shard
+        self.rank = rank
+        self.owned = Span(0, self.span.numel)
+        self.grads: GradBucket | None = None
+        self.master: torch.Tensor | None = None  # fp32 owned span (may alias the params)
+        self.master_views: list[tuple[torch.Tensor, int, int]] = []  # the optimizer's parameters
+        self.gather: Handle | None = None
+
+    def bind_params(self) -> None:
+        """Points every parameter at its slice of `full` (or at nothing)."""
+        for param, span, shape in zip(self.params, self.spans, self.shapes):
+            if self.full is None:
+                param.data = torch.empty(0, dtype=self.shard.dtype, device=self.shard.device)
+            else:
+                param.data = self.full[span.begin:span.end].view(shape)
+
+    def owned_grad(self) -> torch.Tensor:
+        """The reduced gradient of the owned span."""
+        if self.grads.accumulator is not None:
+            return self.grads.accumulator
+        return self.grads.ensure()[self.owned.begin:self.owned.end]
+
+
+def build_buckets(params: list[nn.Parameter], layout: BufferLayout, rank: int, comm: Comm) -> list[ZeroBucket]:
+    """Copies parameters into bucket tensors on their device (rank 0's values
+    win), then keeps only the chunk of non-resident buckets."""
+    buckets = []
+    for index, span in enumerate(layout.buckets):
+        members = [params[i] for i in span.param_indices]
+        full = torch.zeros(span.numel, dtype=members[0].dtype, device=members[0].device)
+        for i, param in zip(span.param_indices, members):
+            local = layout.local(i)
+            full[local.begin:local.end].copy_(param.detach().reshape(-1))
+        comm.broadcast(full, 0)
+        chunk = span.local_chunk(rank)
+        shard = full[chunk.begin:chunk.end]
+        bucket = ZeroBucket(layout, index, members, full if span.resident else None,
+                            shard if span.resident else shard.clone(), rank)
+        bucket.bind_params()
+        buckets.append(bucket)
+    return buckets
 
 
 class ParamGroup:
-    """Units of the model plus the reduction and update rules of a policy."""
+    """Buckets of the model plus the reduction and update rules of a policy."""
 
-    def __init__(self, units: list[Unit], policy: ShardingPolicy, comm: Comm, reducer: BucketReducer) -> None:
-        self.units = units
+    def __init__(self, buckets: list[ZeroBucket], policy: ShardingPolicy, comm: Comm, *, timeout_s: float) -> None:
+        self.buckets = buckets
         self.policy = policy
         self.comm = comm
-        self.reducer = reducer
+        for bucket in buckets:
+            persistent = None if policy.shard_grads else torch.zeros(
+                bucket.span.numel, dtype=bucket.shard.dtype, device=bucket.shard.device)
+            bucket.grads = GradBucket(bucket.layout, bucket.span.index, bucket.params, comm.rank,
+                                      persistent=persistent, sharded=policy.shard_grads)
+        mode = "reduce_scatter" if policy.shard_optimizer else "all_reduce"
+        self.scheduler = BucketScheduler.for_buckets(
+            [b.grads for b in buckets], comm, mode=mode, scale=1.0 / comm.world_size, timeout_s=timeout_s,
+            on_launch=self._after_launch if policy.shard_params else None)
 
-    # ---- set-up -------------------------------------------------------------
+    def register_hooks(self, params: list[nn.Parameter]) -> None:
+        """Gradient hooks, in registration order (it fixes the launch order)."""
+        self.scheduler.register_hooks(params)
+
+    # ---- verbs: stage 3 gathering ---------------------------------------------------
+    def start_unshard(self, bucket: ZeroBucket) -> None:
+        if bucket.full is None and bucket.gather is None:
+            bucket.full = torch.empty(bucket.span.numel, dtype=bucket.shard.dtype, device=bucket.shard.device)
+            bucket.gather = self.comm.all_gather(bucket.full, bucket.shard, async_op=True)
+
+    def unshard(self, bucket: ZeroBucket) -> None:
+        self.start_unshard(bucket)
+        if bucket.gather is not None:
+            bucket.gather.wait()
+            bucket.gather = None
+            bucket.bind_params()
+
+    def reshard(self, bucket: ZeroBucket) -> None:
+        if bucket.span.resident or bucket.full is None:
+            return
+        if bucket.gather is not None:
+            bucket.gather.wait()
+            bucket.gather = None
+        bucket.full = None
+        bucket.bind_params()
+
+    def _after_launch(self, grads: GradBucket) -> None:
+        self.reshard(self.buckets[grads.index])  # its gradients are in flight: the values can go
+
+    # ---- verbs: gradients -------------------------------------------------------------
+    def reduce_grads(self, scaled_loss: torch.Tensor, boundary: bool) -> None:
+        """Back-propagates; at a boundary (sharded gradients: every micro-step)
+        the reduced gradient of each bucket's owned span is ready afterwards."""
+        sync = self.policy.shard_grads or boundary
+        with contextlib.nullcontext() if sync else self.scheduler.no_sync():
+            scaled_loss.backward()
+            self.scheduler.finish()
+        for bucket in self.buckets:
+            self.reshard(bucket)
+
+    def zero_grads(self) -> None:
+        self.scheduler.zero_grad()
+
+    # ---- set-up and step ----------------------------------------------------------------
     def setup_masters(self) -> list[tuple[int, torch.Tensor]]:
-        """Allocates the owned gradient and fp32 master of every unit; returns
-        (parameter index, master slice) pairs, the optimizer's parameters."""
+        """Makes every bucket's fp32 master; returns (parameter index, master
+        slice) pairs, the optimizer's parameters."""
         out = []
-        for unit in self.units:
-            full_or_shard = unit.full if unit.full is not None else unit.shard
+        for bucket in self.buckets:
             if self.policy.shard_optimizer:
-                unit.owned = unit.bucket.local_chunk(unit.rank)
-                source = unit.shard
+                bucket.owned = bucket.span.local_chunk(bucket.rank)
+                source = bucket.shard
             else:
-                source = full_or_shard
-            owned, dtype, device = unit.owned, unit.shard.dtype, unit.shard.device
-            if not self.policy.shard_grads:
-                unit.grad = torch.zeros(unit.bucket.numel, dtype=dtype, device=device)
-                unit.grad_owned = unit.grad[owned.begin:owned.end]
-            else:
-                unit.grad_owned = torch.zeros(owned.numel, dtype=dtype, device=device)
-            unit.master = source if source.dtype == torch.float32 else source.float()
-            unit.master_views = []
-            for index, local, _ in unit.layout.local_slices(unit.bucket.index, owned):
+                source = bucket.full if bucket.full is not None else bucket.shard
+            bucket.master = source if source.dtype == torch.float32 else source.float()
+            bucket.master_views = []
+            owned = bucket.owned
+            for index, local, _ in bucket.layout.local_slices(bucket.span.index, owned):
                 begin, end = local.begin - owned.begin, local.end - owned.begin
-                unit.master_views.append((unit.master[begin:end].requires_grad_(), begin, end))
-                out.append((index, unit.master_views[-1][0]))
+                bucket.master_views.append((bucket.master[begin:end].requires_grad_(), begin, end))
+                out.append((index, bucket.master_views[-1][0]))
         return out
 
-    # ---- step ------------------------------------------------------------------
     def owned_grads_fp32(self) -> list[torch.Tensor]:
-        return [u.grad_owned if u.grad_owned.dtype == torch.float32 else u.grad_owned.float() for u in self.units]
+        grads = [b.owned_grad() for b in self.buckets]
+        return [g if g.dtype == torch.float32 else g.float() for g in grads]
 
     def grad_norm(self, grads: list[torch.Tensor]) -> float:
         """Global L2 norm of the (still scaled) reduced gradients."""
@@ -72,23 +181,29 @@ class ParamGroup:
             self.comm.all_reduce(total)
         return float(total.sqrt())
 
-    def set_master_grads(self, grads: list[torch.Tensor], coef: float) -> None:
-        """Hands the optimizer its gradients: owned slices times `coef` (unscale, clip)."""
-        for unit, g in zip(self.units, grads):
+    def step(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor], coef: float) -> None:
+        """Hands the optimizer the owned gradients times `coef` (unscale, clip),
+        steps, and publishes the updated masters into the parameters."""
+        for bucket, g in zip(self.buckets, grads):
             if coef != 1.0:
                 g.mul_(coef)  # g is a scratch fp32 copy or the owned gradient, zeroed after the step
-            for view, begin, end in unit.master_views:
+            for view, begin, end in bucket.master_views:
                 view.grad = g[begin:end]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        self.publish_masters()
+        self.zero_grads()
 
     def publish_masters(self) -> None:
-        """Copies updated masters into the parameters; all-gathers resident units."""
+        """Copies updated masters into the parameters; all-gathers resident buckets."""
         works = []
-        for unit in self.units:
-            target = unit.shard if self.policy.shard_optimizer else (unit.full if unit.full is not None else unit.shard)
-            if target.data_ptr() != unit.master.data_ptr():
-                target.copy_(unit.master)
-            if self.policy.shard_optimizer and unit.bucket.resident:
-                works.append(self.comm.all_gather(unit.full, unit.shard, async_op=True))
+        for bucket in self.buckets:
+            target = bucket.shard if self.policy.shard_optimizer else \
+                (bucket.full if bucket.full is not None else bucket.shard)
+            if target.data_ptr() != bucket.master.data_ptr():
+                target.copy_(bucket.master)
+            if self.policy.shard_optimizer and bucket.span.resident:
+                works.append(self.comm.all_gather(bucket.full, bucket.shard, async_op=True))
         for work in works:
             work.wait()
 
@@ -96,15 +211,12 @@ class ParamGroup:
         """Every parameter's whole fp32 master, in parameter-index order (collective;
         for checkpoints and tests, not counted as step traffic)."""
         sent, out = self.comm.sent_nbytes, {}
-        for unit in self.units:
-            whole = unit.master
+        for bucket in self.buckets:
+            whole = bucket.master
             if self.policy.shard_optimizer:
-                whole = torch.empty(unit.bucket.numel, dtype=torch.float32, device=unit.master.device)
-                self.comm.all_gather(whole, unit.master.contiguous()).wait()
-            for index, span, shape in zip(unit.indices, unit.spans, unit.shapes):
+                whole = torch.empty(bucket.span.numel, dtype=torch.float32, device=bucket.master.device)
+                self.comm.all_gather(whole, bucket.master.contiguous()).wait()
+            for index, span, shape in zip(bucket.indices, bucket.spans, bucket.shapes):
                 out[index] = whole[span.begin:span.end].detach().clone().view(shape)
         self.comm.sent_nbytes = sent
         return [out[i] for i in sorted(out)]
-
-    def zero_grads(self) -> None:
-        self.reducer.zero_grads()
