@@ -179,6 +179,9 @@ class BucketScheduler:
         """Collective (flat buffers): re-lays out every buffer in rank 0's ready
         order of the last synchronized step (allocates new buffers: call it
         once, after the first step, before an optimizer captures views)."""
+        if not self.buffers:
+            raise ValueError("BucketScheduler.rebuild_buckets: only flat buffers are re-laid out; the owner of "
+                             "GradBuckets plans their layout")
         ids = {id(p): n for n, p in enumerate(self._params)}
         seen = [ids[id(p)] for p in self._last_observed]
         seen += [n for n in range(len(self._params)) if n not in set(seen)]
