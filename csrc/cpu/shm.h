@@ -75,6 +75,11 @@ class ShmComm {
   void register_window(int64_t id, const std::vector<uintptr_t>& bases, const std::vector<int64_t>& nbytes);
   void unregister_window(int64_t id);
 
+  // Test-only (shm_debug.cpp): post the next round with `desc` unchecked, or
+  // store `value` into this rank's header field "posted", "consumed" or "pid".
+  void debug_post(const OpDesc& desc);
+  void debug_store(const std::string& field, int64_t value);
+
   int rank() const { return rank_; }
   int world_size() const { return world_size_; }
   uint64_t rounds() const { return seq_; }

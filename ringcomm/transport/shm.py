@@ -61,7 +61,7 @@ class ShmTransport:
         name = f"/{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
         comm = _C.ShmComm(name, *args, create=True)
         try:
-            store.set("shm/name", name)
+            _publish(store, "shm/name", name)
             _wait_attached(store, "shm/attached", world_size, timeout_s)
         finally:
             _C.ShmComm.unlink(name)
@@ -80,7 +80,7 @@ class ShmTransport:
         own = _C.ShmWindow(name, nbytes, create=True)
         prefix = f"window/{window_id}"
         try:
-            self._store.set(f"{prefix}/{self.rank}", f"{name} {nbytes}")
+            _publish(self._store, f"{prefix}/{self.rank}", f"{name} {nbytes}")
             peers = {}
             for peer in range(self.world_size):
                 if peer != self.rank:
@@ -122,6 +122,11 @@ class ShmTransport:
 
     def close(self) -> None:
         self._comm = None
+
+
+def _publish(store: dist.Store, key: str, name: str) -> None:
+    """Tells the other ranks the name of a segment this rank created."""
+    store.set(key, name)
 
 
 def _get(store: dist.Store, key: str, timeout_s: float, what: str) -> bytes:
