@@ -8,6 +8,16 @@
 // flag sits on its own cache line; stores release, loads acquire. The first
 // round of an op also carries an OpDesc, so a rank that called a different op
 // or size is reported on every rank, and all ranks stay in step afterwards.
+//
+// [Note: shm trust] Peers write the segment, so whatever this rank reads from
+// it is checked before use, in O(world_size) integer compares per wait or op:
+// flags against what the protocol allows (a peer posts at most num_slots
+// rounds past this rank's last post, since it waits for this rank's consumed
+// before reusing a slot, and consumes only rounds this rank posted), OpDescs
+// against the ranges of their fields and, for zero-copy ops, window ids and
+// offsets against the windows this rank mapped (shm_window.cpp). Each OpDesc
+// is read once into descs_, so a peer rewriting it later changes nothing. A
+// violation breaks the group, as a dead peer does.
 #include "shm.h"
 
 #include "shm_map.h"
@@ -71,7 +81,14 @@ int64_t ShmComm::segment_nbytes(int world_size, const ShmConfig& config) {
 }
 
 ShmComm::ShmComm(const std::string& name, int rank, int world_size, ShmConfig config, bool create)
-    : name_(name), rank_(rank), world_size_(world_size), config_(config), slot_stride_(slot_stride(config)) {
+    : name_(name),
+      rank_(rank),
+      world_size_(world_size),
+      config_(config),
+      slot_stride_(slot_stride(config)),
+      descs_(world_size > 0 ? world_size : 0),
+      peer_inputs_(world_size > 0 ? world_size : 0),
+      peer_outputs_(world_size > 0 ? world_size : 0) {
   if (world_size < 1 || rank < 0 || rank >= world_size)
     throw std::invalid_argument("shm: rank " + std::to_string(rank) + " outside world_size " + std::to_string(world_size));
   if (config.num_slots < 2) throw std::invalid_argument("shm: num_slots=" + std::to_string(config.num_slots) + " < 2");
@@ -131,8 +148,23 @@ void ShmComm::fail(const std::string& message) {
   throw std::runtime_error(message);
 }
 
-void ShmComm::wait_for(int peer, const Flag& flag, uint64_t target, const StepInfo& step, const char* what) {
-  if (flag.value.load(std::memory_order_acquire) >= target) return;
+void ShmComm::fail_flag(int peer, FlagKind kind, uint64_t value, uint64_t limit, const StepInfo& step) {
+  std::ostringstream message;
+  message << step.op << ": rank " << rank_ << " at step " << step.step << "/" << step.num_steps << " (round " << seq_
+          << ") read rank " << peer << "'s " << (kind == FlagKind::kPosted ? "posted" : "consumed") << "=" << value
+          << ", which the protocol never reaches (at most " << limit << "): the shared segment is corrupt";
+  fail(message.str());
+}
+
+// Waits until `peer`'s flag reaches `target`; see [Note: shm trust] for `limit`.
+void ShmComm::wait_for(int peer, FlagKind kind, uint64_t target, const StepInfo& step, const char* what) {
+  const Flag& flag = kind == FlagKind::kPosted ? header(peer)->posted : header(peer)->consumed;
+  const uint64_t limit = kind == FlagKind::kPosted ? seq_ + config_.num_slots : seq_;
+  uint64_t value = flag.value.load(std::memory_order_acquire);
+  if (value >= target) {
+    if (value > limit) fail_flag(peer, kind, value, limit, step);
+    return;
+  }
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
   const auto spin_until = start + std::chrono::nanoseconds(config_.spin_ns);
@@ -140,7 +172,11 @@ void ShmComm::wait_for(int peer, const Flag& flag, uint64_t target, const StepIn
   // Spin (the peer is running on another core), then yield the core (ranks
   // outnumber cores, or the peer is late), then sleep (the peer is very late).
   for (int64_t spin = 1;; ++spin) {
-    if (flag.value.load(std::memory_order_acquire) >= target) return;
+    value = flag.value.load(std::memory_order_acquire);
+    if (value >= target) {
+      if (value > limit) fail_flag(peer, kind, value, limit, step);
+      return;
+    }
     if (spin % 64 != 0) {
       cpu_relax();
       continue;
@@ -173,7 +209,7 @@ char* ShmComm::acquire_slot(const StepInfo& step) {
   if (round > static_cast<uint64_t>(config_.num_slots)) {
     const uint64_t target = round - config_.num_slots;
     for (int peer = 0; peer < world_size_; ++peer)
-      if (peer != rank_) wait_for(peer, header(peer)->consumed, target, step, "free a staging slot");
+      if (peer != rank_) wait_for(peer, FlagKind::kConsumed, target, step, "free a staging slot");
   }
   return slot_data(rank_, round);
 }
@@ -187,22 +223,43 @@ void ShmComm::post(const OpDesc* desc) {
 
 void ShmComm::wait_posted(const StepInfo& step) {
   for (int peer = 0; peer < world_size_; ++peer)
-    if (peer != rank_) wait_for(peer, header(peer)->posted, seq_, step, "post its data");
+    if (peer != rank_) wait_for(peer, FlagKind::kPosted, seq_, step, "post its data");
 }
 
 void ShmComm::release() { header(rank_)->consumed.value.store(seq_, std::memory_order_release); }
 
+// Fields out of their ranges are a corrupt segment, not a caller mistake.
+void ShmComm::check_desc_range(const StepInfo& step, int peer, const OpDesc& theirs) {
+  if (theirs.kind >= 0 && theirs.kind <= static_cast<int32_t>(OpKind::kBroadcast) && theirs.dtype >= -1 &&
+      theirs.dtype <= static_cast<int32_t>(DType::kInt64) && theirs.redop >= -1 &&
+      theirs.redop <= static_cast<int32_t>(RedOp::kMax) && theirs.root >= -1 && theirs.root < world_size_ &&
+      theirs.numel >= 0 && (theirs.zero_copy == 0 || theirs.zero_copy == 1))
+    return;
+  std::ostringstream message;
+  message << step.op << ": rank " << rank_ << " read an impossible op descriptor from rank " << peer
+          << " (kind=" << theirs.kind << ", dtype=" << theirs.dtype << ", op=" << theirs.redop << ", root=" << theirs.root
+          << ", numel=" << theirs.numel << ", shm-allocated=" << theirs.zero_copy << "): the shared segment is corrupt";
+  fail(message.str());
+}
+
 void ShmComm::check_descs(const StepInfo& step, const OpDesc& mine) {
+  for (int peer = 0; peer < world_size_; ++peer) {
+    descs_[peer] = *slot_desc(peer, seq_);
+    check_desc_range(step, peer, descs_[peer]);
+  }
   std::ostringstream mismatch;
   for (int peer = 0; peer < world_size_; ++peer) {
-    const OpDesc& theirs = *slot_desc(peer, seq_);
+    const OpDesc& theirs = descs_[peer];
     if (theirs.kind == mine.kind && theirs.dtype == mine.dtype && theirs.redop == mine.redop && theirs.root == mine.root &&
         theirs.numel == mine.numel && theirs.zero_copy == mine.zero_copy)
       continue;
     mismatch << " rank " << peer << " called (kind=" << theirs.kind << ", dtype=" << theirs.dtype << ", op=" << theirs.redop
              << ", root=" << theirs.root << ", numel=" << theirs.numel << ", shm-allocated=" << theirs.zero_copy << ");";
   }
-  if (mismatch.str().empty()) return;
+  if (mismatch.str().empty()) {
+    if (mine.zero_copy) resolve_windows(step, mine);
+    return;
+  }
   release();  // every rank sees the mismatch in this round, so all stay in step
   std::ostringstream message;
   message << step.op << ": ranks disagree on the call: rank " << rank_ << " called (kind=" << mine.kind

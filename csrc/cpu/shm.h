@@ -91,12 +91,15 @@ class ShmComm {
   void post(const OpDesc* desc);
   void wait_posted(const StepInfo& step);
   void check_descs(const StepInfo& step, const OpDesc& mine);
+  void check_desc_range(const StepInfo& step, int peer, const OpDesc& theirs);
   void release();
   char* slot_data(int rank, uint64_t round) const;
   OpDesc* slot_desc(int rank, uint64_t round) const;
   RankHeader* header(int rank) const;
 
-  void wait_for(int peer, const Flag& flag, uint64_t target, const StepInfo& step, const char* what);
+  enum class FlagKind { kPosted, kConsumed };
+  void wait_for(int peer, FlagKind kind, uint64_t target, const StepInfo& step, const char* what);
+  [[noreturn]] void fail_flag(int peer, FlagKind kind, uint64_t value, uint64_t limit, const StepInfo& step);
   [[noreturn]] void fail(const std::string& message);
   void check_usable(const char* op) const;
   StepInfo begin_op(const char* op, int64_t num_steps, double timeout_s) const;
@@ -108,8 +111,8 @@ class ShmComm {
   bool locate(const void* ptr, int64_t nbytes, int64_t* window, int64_t* offset) const;
   OpDesc describe(OpKind kind, int dtype, int redop, int root, int64_t numel, const void* in, int64_t in_nbytes,
                   const void* out, int64_t out_nbytes) const;
-  const char* peer_input(int peer) const;
-  const char* peer_output(int peer) const;
+  void resolve_windows(const StepInfo& step, const OpDesc& mine);
+  const char* window_span(const StepInfo& step, int peer, int64_t id, int64_t offset, int64_t nbytes, const char* what);
   void wait_consumed(const StepInfo& step);
   void all_reduce_windows(const char* in, char* out, const OpDesc& desc, StepInfo& step);
   void reduce_scatter_windows(const char* in, char* out, const OpDesc& desc, StepInfo& step);
@@ -125,6 +128,12 @@ class ShmComm {
   int64_t mapped_nbytes_ = 0;
   uint64_t seq_ = 0;  // rounds this rank has posted
   std::vector<WindowTable> windows_;
+  // Filled by check_descs in the first round of an op: every rank's OpDesc as
+  // read once from the segment and checked, and (zero-copy ops) where each
+  // peer's input and output lie in this process, checked against the windows.
+  std::vector<OpDesc> descs_;
+  std::vector<const char*> peer_inputs_;
+  std::vector<const char*> peer_outputs_;
   std::string broken_;
 };
 

@@ -1,0 +1,142 @@
+"""The shared-memory transport against faulty or hostile peers and a shared /dev/shm.
+
+Single-process cases map one segment twice: `comm` is rank 0 under test and
+`peer` is rank 1, driven by the test-only hooks `_debug_post` / `_debug_store`
+to write what a faulty or hostile rank could. They run in a child process
+(run_ranks with one rank) so that a crash fails the test instead of pytest.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+from typing import NamedTuple
+
+import pytest
+import torch
+
+from harness import run_ranks
+from ringcomm import _C
+
+SLOT_NBYTES = 1 << 16
+NUM_SLOTS = 4
+NUMEL = 1024  # float32 elements of each window
+FLOAT32, SUM = 0, 0
+ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER = 1, 2, 3
+TIMEOUT_S = 2.0
+
+
+class Pair(NamedTuple):
+    comm: _C.ShmComm  # rank 0, under test
+    peer: _C.ShmComm  # rank 1, writes what the test tells it to
+    windows: list  # window 0 of each rank, registered with comm
+    scratch: torch.Tensor  # rank 0's output where it is not a window
+
+
+def make_pair() -> Pair:
+    name = f"/ringcomm-test-{secrets.token_hex(8)}"
+    comm = _C.ShmComm(name, 0, 2, SLOT_NBYTES, NUM_SLOTS, 0, 0, True)  # oneshot_max_nbytes=0: windows when possible
+    try:
+        peer = _C.ShmComm(name, 1, 2, SLOT_NBYTES, NUM_SLOTS, 0, 0, False)
+    finally:
+        _C.ShmComm.unlink(name)
+    windows = []
+    for _ in range(2):
+        window_name = f"/ringcomm-test-{secrets.token_hex(8)}"
+        windows.append(_C.ShmWindow(window_name, NUMEL * 4, True))
+        _C.ShmWindow.unlink(window_name)
+    comm.register_window(0, [w.address for w in windows], [w.nbytes for w in windows])
+    return Pair(comm, peer, windows, torch.empty(NUMEL))
+
+
+def desc(kind: int, numel: int, /, **fields) -> _C._DebugOpDesc:
+    """The descriptor an honest rank 1 posts for `kind` on window 0, with `fields` replaced."""
+    d = _C._DebugOpDesc()
+    d.kind, d.dtype, d.redop, d.numel = kind, FLOAT32, SUM if kind in (ALL_REDUCE, REDUCE_SCATTER) else -1, numel
+    d.zero_copy, d.in_window, d.in_offset, d.out_window, d.out_offset = 1, 0, 0, 0, 0
+    for key, value in fields.items():
+        setattr(d, key, value)
+    return d
+
+
+def run_op(pair: Pair, kind: int) -> None:
+    """Rank 0's side of `kind` on its window 0 (zero-copy: the input is in a window)."""
+    window, scratch = pair.windows[0].address, pair.scratch.data_ptr()
+    if kind == ALL_REDUCE:
+        pair.comm.all_reduce(window, window, NUMEL, FLOAT32, SUM, TIMEOUT_S)
+    elif kind == REDUCE_SCATTER:
+        pair.comm.reduce_scatter(window, scratch, NUMEL // 2, FLOAT32, SUM, TIMEOUT_S)
+    else:
+        pair.comm.all_gather(window, scratch, NUMEL // 2, FLOAT32, TIMEOUT_S)
+
+
+OP_NAMES = {ALL_REDUCE: "all_reduce", REDUCE_SCATTER: "reduce_scatter", ALL_GATHER: "all_gather"}
+# case: (op, numel, forged fields, a word the error must contain)
+FORGED_DESCS = {
+    "input offset 2**40": (ALL_REDUCE, NUMEL, {"in_offset": 2 ** 40}, "offset"),
+    "input offset 2**62": (ALL_REDUCE, NUMEL, {"in_offset": 2 ** 62}, "offset"),
+    "negative input offset": (ALL_REDUCE, NUMEL, {"in_offset": -4096}, "offset"),
+    "output offset 2**40": (ALL_REDUCE, NUMEL, {"out_offset": 2 ** 40}, "offset"),
+    "output 4 bytes past the end": (ALL_REDUCE, NUMEL, {"out_offset": 4}, "offset"),
+    "unknown input window": (ALL_REDUCE, NUMEL, {"in_window": 7}, "window 7"),
+    "unknown output window": (ALL_REDUCE, NUMEL, {"out_window": 2 ** 40}, "window 1099511627776"),
+    "reduce_scatter input past the end": (REDUCE_SCATTER, NUMEL // 2, {"in_offset": 8}, "offset"),
+    "all_gather input past the end": (ALL_GATHER, NUMEL // 2, {"in_offset": NUMEL * 4 - 4}, "offset"),
+    "kind out of range": (ALL_REDUCE, NUMEL, {"kind": 17}, "kind=17"),
+    "dtype out of range": (ALL_REDUCE, NUMEL, {"dtype": 99}, "dtype=99"),
+    "reduce op out of range": (ALL_REDUCE, NUMEL, {"redop": -7}, "op=-7"),
+    "negative numel": (ALL_REDUCE, NUMEL, {"numel": -1}, "numel=-1"),
+    "zero_copy not 0 or 1": (ALL_REDUCE, NUMEL, {"zero_copy": 5}, "=5"),
+}
+
+
+def expect_broken(pair: Pair, kind: int, case: str, word: str) -> str:
+    """rank 0 reports the forgery at once (no timeout), naming the op, rank 1 and
+    the value, and the group refuses further work."""
+    with pytest.raises(RuntimeError) as info:
+        run_op(pair, kind)
+    message = str(info.value)
+    assert OP_NAMES[kind] in message and "rank 1" in message and word in message, f"{case}: {message}"
+    assert "timed out" not in message, f"{case}: {message}"
+    with pytest.raises(RuntimeError, match="unusable"):
+        pair.comm.barrier(TIMEOUT_S)
+    return message
+
+
+def forged_desc(rank, world_size, case):
+    kind, numel, fields, word = FORGED_DESCS[case]
+    pair = make_pair()
+    pair.peer._debug_post(desc(kind, numel, **fields))
+    return expect_broken(pair, kind, case, word)
+
+
+@pytest.mark.parametrize("case", sorted(FORGED_DESCS))
+def test_forged_descriptor_is_a_clear_error(case):
+    run_ranks(forged_desc, 1, case, timeout=60)
+
+
+def honest_descs_still_work(rank, world_size):
+    for kind, numel in ((ALL_REDUCE, NUMEL), (REDUCE_SCATTER, NUMEL // 2), (ALL_GATHER, NUMEL // 2)):
+        pair = make_pair()
+        num_rounds = 2 if kind == ALL_REDUCE else 1  # all_reduce on windows: reduce, then gather
+        for _ in range(num_rounds):
+            pair.peer._debug_post(desc(kind, numel))
+        pair.peer._debug_store("consumed", num_rounds)
+        run_op(pair, kind)
+        assert pair.comm.rounds == num_rounds, f"{OP_NAMES[kind]}: {pair.comm.rounds=}"
+
+
+def test_honest_descriptors_pass_the_checks():
+    run_ranks(honest_descs_still_work, 1, timeout=60)
+
+
+def forged_flag(rank, world_size, field):
+    pair = make_pair()
+    kind = ALL_GATHER
+    pair.peer._debug_post(desc(kind, NUMEL // 2))
+    pair.peer._debug_store(field, 10 ** 6)
+    return expect_broken(pair, kind, field, f"{field}=1000000")
+
+
+@pytest.mark.parametrize("field", ["posted", "consumed"])
+def test_impossible_flag_value_is_a_clear_error(field):
+    run_ranks(forged_flag, 1, field, timeout=60)
