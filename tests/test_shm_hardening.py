@@ -140,3 +140,53 @@ def forged_flag(rank, world_size, field):
 @pytest.mark.parametrize("field", ["posted", "consumed"])
 def test_impossible_flag_value_is_a_clear_error(field):
     run_ranks(forged_flag, 1, field, timeout=60)
+
+
+def make_foreign_segment(mode: int, uid: int | None = None) -> str:
+    """A file in /dev/shm named like a ringcomm segment, made with `mode` (and owner `uid`)."""
+    name = f"/ringcomm-test-{secrets.token_hex(8)}"
+    fd = os.open("/dev/shm" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, 4096)
+        os.fchmod(fd, mode)
+        if uid is not None:
+            os.fchown(fd, uid, -1)
+    finally:
+        os.close(fd)
+    return name
+
+
+@pytest.mark.parametrize("mode", [0o666, 0o644, 0o400], ids=oct)
+def test_attach_refuses_a_segment_with_another_mode(mode):
+    name = make_foreign_segment(mode)
+    try:
+        with pytest.raises(RuntimeError, match=f"refusing.*{name}.*uid {os.geteuid()} with mode 0{mode:o}"):
+            _C.ShmWindow(name, 4096, False)
+    finally:
+        os.unlink("/dev/shm" + name)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a file of another user needs root")
+@pytest.mark.parametrize("mode", [0o600, 0o666], ids=oct)
+def test_attach_refuses_a_segment_of_another_user(mode):
+    name = make_foreign_segment(mode, uid=65534)
+    try:
+        with pytest.raises(RuntimeError, match=f"refusing.*{name}.*uid 65534 with mode 0{mode:o}"):
+            _C.ShmWindow(name, 4096, False)
+        with pytest.raises(RuntimeError, match="refusing"):
+            _C.ShmComm(name, 1, 2, SLOT_NBYTES, NUM_SLOTS, 0, 0, False)
+    finally:
+        os.unlink("/dev/shm" + name)
+
+
+def test_segments_are_created_0600_whatever_the_umask():
+    name = f"/ringcomm-test-{secrets.token_hex(8)}"
+    old = os.umask(0o277)
+    try:
+        created = _C.ShmWindow(name, 4096, True)
+        assert os.stat("/dev/shm" + name).st_mode & 0o7777 == 0o600
+        attached = _C.ShmWindow(name, 4096, False)
+        assert attached.nbytes == created.nbytes
+    finally:
+        os.umask(old)
+        _C.ShmWindow.unlink(name)
