@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import os
 import secrets
+import subprocess
+import sys
+import time
 from typing import NamedTuple
 
 import pytest
@@ -190,3 +193,101 @@ def test_segments_are_created_0600_whatever_the_umask():
     finally:
         os.umask(old)
         _C.ShmWindow.unlink(name)
+
+
+def make_entry(path: str, kind: str) -> None:
+    if kind == "dir":
+        os.mkdir(path)
+    elif kind == "symlink":
+        os.symlink("/dev/null", path)
+    else:
+        open(path, "wb").close()
+        if kind == "other user's file":
+            os.chown(path, 65534, -1)
+
+
+def test_sweep_removes_only_expired_files_of_this_user():
+    from ringcomm.transport.shm_names import remove_stale_segments
+
+    now, token = int(time.time()), secrets.token_hex(4)
+    dead_pid = 2 ** 22 + 12345  # above any pid_max: no process has it here, but may in another pid namespace
+    cases = {  # file name: (entry kind, expected to be removed)
+        f"ringcomm-exp{now - 5}-a{token}": ("file", True),
+        f"ringcomm-exp{now + 3600}-b{token}": ("file", False),  # live: its set-up may still run, whoever made it
+        f"ringcomm-exp{now - 5}-c{token}": ("dir", False),
+        f"ringcomm-exp{now - 5}-d{token}": ("symlink", False),
+        f"ringcomm-{dead_pid}-e{token}": ("file", False),  # not a name new_name makes: never guessed at
+        f"ringcomm-{dead_pid}-f{token}": ("dir", False),
+        f"ringcomm-expsoon-{token}": ("file", False),
+    }
+    if os.geteuid() == 0:
+        cases[f"ringcomm-exp{now - 5}-0{token}"] = ("other user's file", False)
+        cases[f"ringcomm-{dead_pid}-1{token}"] = ("other user's file", False)
+    try:
+        for name, (kind, _) in cases.items():
+            make_entry(f"/dev/shm/{name}", kind)
+        removed = {os.path.basename(path) for path in remove_stale_segments()}
+        for name, (kind, expected) in cases.items():
+            assert (name in removed) == expected, f"{name} ({kind}): removed={name in removed}"
+            assert os.path.lexists(f"/dev/shm/{name}") != expected, f"{name} ({kind})"
+    finally:
+        for name, (kind, _) in cases.items():
+            path = f"/dev/shm/{name}"
+            if kind == "dir" and os.path.isdir(path):
+                os.rmdir(path)
+            elif os.path.lexists(path):
+                os.unlink(path)
+
+
+def test_new_names_carry_their_expiry():
+    from ringcomm.transport.shm_names import EXPIRY_MARGIN_S, expiry_of, new_name
+
+    before = time.time()
+    name = new_name(30.0)
+    expiry = expiry_of(name.lstrip("/"))
+    assert expiry is not None and before + 30.0 + EXPIRY_MARGIN_S <= expiry <= time.time() + 31.0 + EXPIRY_MARGIN_S, name
+
+
+def unshare_works() -> bool:
+    try:
+        return subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+# Rank 1 in a new pid namespace: attaches, prints its pid there, is late to a barrier.
+NAMESPACED_RANK = """
+import importlib.util, os, sys, time
+spec = importlib.util.spec_from_file_location("_C", sys.argv[1])
+_C = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(_C)
+comm = _C.ShmComm(sys.argv[2], 1, 2, int(sys.argv[3]), int(sys.argv[4]), 0, 0, False)
+print(os.getpid(), flush=True)
+time.sleep(1.0)
+comm.barrier(10.0)
+"""
+
+
+@pytest.mark.skipif(not unshare_works(), reason="needs unshare --pid (root or user namespaces)")
+def test_peer_in_another_pid_namespace_is_not_judged_by_its_pid():
+    name = f"/ringcomm-test-{secrets.token_hex(8)}"
+    comm = _C.ShmComm(name, 0, 2, SLOT_NBYTES, NUM_SLOTS, 0, 0, True)
+    # The namespaced rank gets pid 123456 there (set through ns_last_pid), which no process has here.
+    script = 'echo 123455 > /proc/sys/kernel/ns_last_pid; "$0" -c "$1" "$2" "$3" "$4" "$5"; exit $?'
+    args = [sys.executable, NAMESPACED_RANK, _C.__file__, name, str(SLOT_NBYTES), str(NUM_SLOTS)]
+    child = subprocess.Popen(["unshare", "--pid", "--fork", "sh", "-c", script, *args], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(child.stdout.readline())
+        _C.ShmComm.unlink(name)
+        try:
+            os.kill(pid, 0)
+            pytest.skip(f"pid {pid} of the namespaced rank also exists here")
+        except ProcessLookupError:
+            pass
+        comm.barrier(10.0)  # rank 1 is late but alive: no "has exited" for the pid it wrote
+        assert child.wait(timeout=30) == 0
+    finally:
+        _C.ShmComm.unlink(name)
+        if child.poll() is None:
+            child.kill()
+            child.wait()

@@ -25,6 +25,7 @@
 #include <errno.h>
 #include <signal.h>
 #include <sched.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -52,6 +53,13 @@ int64_t headers_nbytes(int world_size) {
 }
 
 int64_t slot_stride(const ShmConfig& config) { return round_up(static_cast<int64_t>(sizeof(OpDesc)) + config.slot_nbytes, 64); }
+
+// The pid namespace of this process (0 where /proc does not say): pids of
+// processes in other namespaces (containers sharing /dev/shm) mean nothing here.
+uint64_t own_pid_namespace() {
+  struct stat st;
+  return stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
+}
 
 // A process that exited is gone (ESRCH) or a zombie its parent has not reaped.
 bool process_alive(int64_t pid) {
@@ -111,6 +119,8 @@ ShmComm::ShmComm(const std::string& name, int rank, int world_size, ShmConfig co
     base_ = nullptr;
     throw std::runtime_error("shm: segment '" + name + "' was not made by this group (magic or config differs)");
   }
+  pid_ns_ = own_pid_namespace();
+  header(rank_)->pid_ns = pid_ns_;
   header(rank_)->pid = getpid();
 }
 
@@ -156,6 +166,13 @@ void ShmComm::fail_flag(int peer, FlagKind kind, uint64_t value, uint64_t limit,
   fail(message.str());
 }
 
+// Judged by pid only for a peer in this pid namespace; any other peer is waited
+// for until the deadline.
+bool ShmComm::peer_exited(int peer) const {
+  const RankHeader* theirs = header(peer);
+  return pid_ns_ != 0 && theirs->pid_ns == pid_ns_ && !process_alive(theirs->pid);
+}
+
 // Waits until `peer`'s flag reaches `target`; see [Note: shm trust] for `limit`.
 void ShmComm::wait_for(int peer, FlagKind kind, uint64_t target, const StepInfo& step, const char* what) {
   const Flag& flag = kind == FlagKind::kPosted ? header(peer)->posted : header(peer)->consumed;
@@ -194,8 +211,9 @@ void ShmComm::wait_for(int peer, FlagKind kind, uint64_t target, const StepInfo&
     std::ostringstream where;
     where << step.op << ": rank " << rank_ << " at step " << step.step << "/" << step.num_steps << " (round " << target
           << ") waiting for rank " << peer << " to " << what;
-    const int64_t pid = header(peer)->pid;
-    if (!process_alive(pid)) fail(where.str() + ": rank " + std::to_string(peer) + " (pid " + std::to_string(pid) + ") has exited");
+    if (peer_exited(peer)) {
+      fail(where.str() + ": rank " + std::to_string(peer) + " (pid " + std::to_string(header(peer)->pid) + ") has exited");
+    }
     if (now >= step.deadline) {
       std::ostringstream message;
       message << where.str() << ": timed out after " << step.timeout_s << " s";

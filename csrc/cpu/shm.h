@@ -38,6 +38,7 @@ struct RankHeader {
   Flag posted;    // last round whose data this rank has written into its slot
   Flag consumed;  // last round whose peer slots this rank has finished reading
   alignas(64) int64_t pid;
+  uint64_t pid_ns;  // inode of the rank's /proc/self/ns/pid (0: unknown); its pid means something only there
 };
 
 struct ShmConfig {
@@ -101,6 +102,7 @@ class ShmComm {
   void wait_for(int peer, FlagKind kind, uint64_t target, const StepInfo& step, const char* what);
   [[noreturn]] void fail_flag(int peer, FlagKind kind, uint64_t value, uint64_t limit, const StepInfo& step);
   [[noreturn]] void fail(const std::string& message);
+  bool peer_exited(int peer) const;
   void check_usable(const char* op) const;
   StepInfo begin_op(const char* op, int64_t num_steps, double timeout_s) const;
 
@@ -126,6 +128,7 @@ class ShmComm {
   int64_t slot_stride_;  // desc header + data, rounded to a page
   char* base_ = nullptr;
   int64_t mapped_nbytes_ = 0;
+  uint64_t pid_ns_ = 0;  // this process's pid namespace, as in RankHeader
   uint64_t seq_ = 0;  // rounds this rank has posted
   std::vector<WindowTable> windows_;
   // Filled by check_descs in the first round of an op: every rank's OpDesc as

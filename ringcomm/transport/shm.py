@@ -3,14 +3,13 @@
 Segment lifetime: rank 0 creates the segment (mode 0600, a name unique per
 group and run), every rank maps it, and rank 0 unlinks the name as soon as all
 ranks have mapped it. From then on the memory lives only in the mappings, so
-nothing is left in /dev/shm however the processes end. A segment left by a
-creator that died during set-up is removed by the next group created on the host.
+nothing is left in /dev/shm however the processes end. A name left by ranks
+that all died during set-up expires and is removed by the next group created on
+the host (see [Note: shm names] in shm_names.py).
 """
 from __future__ import annotations
 
-import glob
 import os
-import secrets
 import time
 import weakref
 from dataclasses import dataclass
@@ -20,11 +19,8 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
-from .process import pid_alive
+from .shm_names import new_name, remove_stale_segments
 from ..ops import DTYPE_CODES, ReduceOp
-
-SHM_DIR = "/dev/shm"
-NAME_PREFIX = "ringcomm-"
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +54,7 @@ class ShmTransport:
             store.set(f"shm/attached/{rank}", "1")
             return cls(comm, store, timeout_s)
         remove_stale_segments()
-        name = f"/{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+        name = new_name(timeout_s)
         comm = _C.ShmComm(name, *args, create=True)
         try:
             _publish(store, "shm/name", name)
@@ -76,7 +72,7 @@ class ShmTransport:
         self._next_window += 1
         element_nbytes = torch.empty(0, dtype=dtype).element_size()
         nbytes = max(1, numel) * element_nbytes
-        name = f"/{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+        name = new_name(self.timeout_s)
         own = _C.ShmWindow(name, nbytes, create=True)
         prefix = f"window/{window_id}"
         try:
@@ -154,18 +150,3 @@ def _wait_attached(store: dist.Store, prefix: str, world_size: int, timeout_s: f
         if time.monotonic() > deadline:
             raise RuntimeError(f"shm: timed out after {timeout_s} s waiting for ranks {missing} to map a segment ({prefix})")
         time.sleep(0.001)
-
-
-def remove_stale_segments() -> list[str]:
-    """Unlink ringcomm segments whose creating process no longer exists."""
-    removed = []
-    for path in glob.glob(os.path.join(SHM_DIR, NAME_PREFIX + "*")):
-        pid_text = os.path.basename(path)[len(NAME_PREFIX):].split("-", 1)[0]
-        if pid_text.isdigit() and not pid_alive(int(pid_text)):
-            try:
-                os.unlink(path)
-                removed.append(path)
-            except FileNotFoundError:
-                pass
-    return removed
-
