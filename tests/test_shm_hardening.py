@@ -7,8 +7,10 @@ to write what a faulty or hostile rank could. They run in a child process
 """
 from __future__ import annotations
 
+import glob
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -17,6 +19,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
+import ringcomm
 from harness import run_ranks
 from ringcomm import _C
 
@@ -291,3 +294,65 @@ def test_peer_in_another_pid_namespace_is_not_judged_by_its_pid():
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+SETUP_TIMEOUT_S = 10.0
+
+
+def kill_rank0_after_publishing(rank, world_size, key_prefix):
+    """Rank 0 dies (SIGKILL) right after it announced the name of a segment it
+    created under `key_prefix`: "shm/name" (the group's) or "window/" (its window)."""
+    from ringcomm.transport import shm
+
+    if rank == 0:
+        publish = shm._publish
+
+        def publish_and_die(store, key, name):
+            publish(store, key, name)
+            if key.startswith(key_prefix):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        shm._publish = publish_and_die
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        group = ringcomm.new_group(transport="shm", timeout=SETUP_TIMEOUT_S)
+        ringcomm.empty(1000, group=group)
+    message = str(info.value)
+    assert "rank 0" in message and "exited" in message, f"rank {rank}: {message}"
+    assert time.monotonic() - start < SETUP_TIMEOUT_S, f"rank {rank} waited out the timeout: {message}"
+    return message
+
+
+@pytest.mark.parametrize("key_prefix", ["shm/name", "window/"])
+def test_rank_killed_during_setup_leaves_nothing_in_dev_shm(key_prefix):
+    before = set(glob.glob("/dev/shm/ringcomm-*"))
+    run_ranks(kill_rank0_after_publishing, 3, key_prefix, may_die=frozenset({0}), timeout=60)
+    left = set(glob.glob("/dev/shm/ringcomm-*")) - before
+    assert not left, f"left in /dev/shm: {left}"
+
+
+def kill_rank0_before_publishing(rank, world_size):
+    """Rank 0 dies (SIGKILL) after creating the group's segment, before telling anyone its name."""
+    from ringcomm.transport import shm
+
+    if rank == 0:
+        shm._publish = lambda store, key, name: os.kill(os.getpid(), signal.SIGKILL)
+    with pytest.raises(RuntimeError, match="rank 0 to create the segment"):
+        ringcomm.new_group(transport="shm", timeout=1.0)
+
+
+def test_segment_of_ranks_that_all_died_expires():
+    from ringcomm.transport.shm_names import EXPIRY_MARGIN_S, expiry_of
+
+    before = set(glob.glob("/dev/shm/ringcomm-*"))
+    start = time.time()
+    run_ranks(kill_rank0_before_publishing, 2, may_die=frozenset({0}), timeout=60)
+    left = set(glob.glob("/dev/shm/ringcomm-*")) - before
+    try:
+        # Only the dead creator knew the name: it stays until its expiry, which the sweep honours.
+        assert len(left) == 1, left
+        expiry = expiry_of(os.path.basename(next(iter(left))))
+        assert expiry is not None and expiry <= time.time() + 1.0 + EXPIRY_MARGIN_S + 1, (left, start)
+    finally:
+        for path in left:
+            os.unlink(path)
