@@ -57,6 +57,9 @@ struct StepInfo {
   double timeout_s;
 };
 
+// This process's pid namespace (inode of /proc/self/ns/pid; 0 where unknown).
+uint64_t own_pid_namespace();
+
 class ShmComm {
  public:
   ShmComm(const std::string& name, int rank, int world_size, ShmConfig config, bool create);

@@ -64,7 +64,7 @@ OpDesc ShmComm::describe(OpKind kind, int dtype, int redop, int root, int64_t nu
 }
 
 // Where `nbytes` at `offset` of `peer`'s window `id` lie in this process, after
-// checking them against that window (see [Note: shm trust] in shm.cpp).
+// checking them against that window (see [Note: shm trust] in shm_trust.cpp).
 const char* ShmComm::window_span(const StepInfo& step, int peer, int64_t id, int64_t offset, int64_t nbytes,
                                  const char* what) {
   for (const WindowTable& table : windows_) {
