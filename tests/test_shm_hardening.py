@@ -1,9 +1,11 @@
-"""The shared-memory transport against faulty or hostile peers and a shared /dev/shm.
+"""The shared-memory transport against faulty or hostile peers and a shared /dev/shm:
+forged descriptors and flags, foreign segments, expired names, pid namespaces,
+ranks killed during set-up.
 
-Single-process cases map one segment twice: `comm` is rank 0 under test and
-`peer` is rank 1, driven by the test-only hooks `_debug_post` / `_debug_store`
-to write what a faulty or hostile rank could. They run in a child process
-(run_ranks with one rank) so that a crash fails the test instead of pytest.
+Forgery cases map one segment twice: `comm` is rank 0 under test and `peer` is
+rank 1, driven by the test-only hooks `_debug_post` / `_debug_store` to write
+what a faulty or hostile rank could. They run in a child process (run_ranks
+with one rank) so that a crash fails the test instead of pytest.
 """
 from __future__ import annotations
 
