@@ -358,3 +358,38 @@ def test_segment_of_ranks_that_all_died_expires():
     finally:
         for path in left:
             os.unlink(path)
+
+
+def announce_foreign_name(rank, world_size, key_prefix):
+    """Rank 0 announces the name of a file that is not a ringcomm segment; rank 1 must neither map nor unlink it."""
+    from ringcomm.transport import shm
+
+    if rank == 0:
+        publish = shm._publish
+
+        def publish_foreign(store, key, value):  # the window's value is "name nbytes"
+            if key.startswith(key_prefix):
+                value = " ".join(["/not-ringcomm", *value.split()[1:]])
+            publish(store, key, value)
+
+        shm._publish = publish_foreign
+    if rank == 1:
+        with pytest.raises(RuntimeError, match="rank 0 announced segment name '/not-ringcomm'"):
+            group = ringcomm.new_group(transport="shm", timeout=2.0)
+            ringcomm.empty(10, group=group)
+    else:
+        with pytest.raises(RuntimeError):
+            group = ringcomm.new_group(transport="shm", timeout=2.0)
+            ringcomm.empty(10, group=group)
+
+
+@pytest.mark.parametrize("key_prefix", ["shm/name", "window/"])
+def test_a_name_ringcomm_does_not_make_is_neither_mapped_nor_unlinked(key_prefix):
+    decoy = "/dev/shm/not-ringcomm"
+    fd = os.open(decoy, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    os.close(fd)
+    try:
+        run_ranks(announce_foreign_name, 2, key_prefix, timeout=60)
+        assert os.path.exists(decoy)
+    finally:
+        os.unlink(decoy)

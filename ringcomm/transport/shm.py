@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
-from .shm_names import new_name, remove_stale_segments
+from .shm_names import expiry_of, new_name, remove_stale_segments
 from ..ops import DTYPE_CODES, ReduceOp
 
 
@@ -56,6 +56,7 @@ class ShmTransport:
             comm = _C.ShmComm(name, *args, create=True)
         else:
             name = _get(store, "shm/name", timeout_s, f"shm: rank {rank} waiting for rank 0 to create the segment").decode()
+            _check_name(name, rank, 0)
         try:
             if rank == 0:
                 _publish(store, "shm/name", name)
@@ -87,11 +88,7 @@ class ShmTransport:
             _publish(self._store, f"window/{window_id}/{self.rank}", f"{name} {nbytes}")
             for peer in range(self.world_size):
                 if peer != self.rank:
-                    what = f"empty: rank {self.rank} waiting for rank {peer} to allocate (every rank must call it)"
-                    reply = _get(self._store, f"window/{window_id}/{peer}", _left(deadline), what).decode()
-                    peer_name, peer_nbytes = reply.split()
-                    names.append(peer_name)
-                    peers[peer] = _C.ShmWindow(peer_name, int(peer_nbytes), create=False)
+                    peers[peer] = self._map_window_of(peer, window_id, deadline, names)
             _confirm_setup(self._comm, "empty", _left(deadline))
         finally:
             for learned in names:
@@ -102,6 +99,16 @@ class ShmTransport:
         # the last tensor on it is gone, before the mapping is released.
         weakref.finalize(own, _forget_window, weakref.ref(self), window_id, peers)
         return torch.frombuffer(own, dtype=torch.uint8, count=nbytes).view(dtype)[:numel]
+
+    def _map_window_of(self, peer: int, window_id: int, deadline: float, names: list[str]) -> _C.ShmWindow:
+        """Maps `peer`'s window `window_id` once announced; appends its name to `names`."""
+        what = f"empty: rank {self.rank} waiting for rank {peer} to allocate (every rank must call it)"
+        name, _, nbytes = _get(self._store, f"window/{window_id}/{peer}", _left(deadline), what).decode().partition(" ")
+        _check_name(name, self.rank, peer)
+        names.append(name)
+        if not nbytes.isdigit():
+            raise RuntimeError(f"empty: rank {self.rank}: rank {peer} announced window {name} of {nbytes!r} bytes")
+        return _C.ShmWindow(name, int(nbytes), create=False)
 
     def supports(self, tensor: torch.Tensor) -> bool:
         return tensor.is_cpu
@@ -132,6 +139,13 @@ class ShmTransport:
 def _publish(store: dist.Store, key: str, name: str) -> None:
     """Tells the other ranks the name of a segment this rank created."""
     store.set(key, name)
+
+
+def _check_name(name: str, rank: int, peer: int) -> None:
+    """A name a peer announced is one new_name makes, so that this rank maps, and
+    unlinks on failure, nothing but ringcomm's own segments."""
+    if not name.startswith("/") or expiry_of(name[1:]) is None:
+        raise RuntimeError(f"shm: rank {rank}: rank {peer} announced segment name {name!r}, which ringcomm does not make")
 
 
 def _left(deadline: float) -> float:
