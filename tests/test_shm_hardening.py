@@ -301,20 +301,37 @@ def test_peer_in_another_pid_namespace_is_not_judged_by_its_pid():
 SETUP_TIMEOUT_S = 10.0
 
 
-def kill_rank0_after_publishing(rank, world_size, key_prefix):
-    """Rank 0 dies (SIGKILL) right after it announced the name of a segment it
-    created under `key_prefix`: "shm/name" (the group's) or "window/" (its window)."""
+def kill_rank0_when_announcing(rank, world_size, key_prefix, announce_first):
+    """Rank 0 dies (SIGKILL) as it announces the name of a segment it created
+    under `key_prefix` ("shm/name": the group's; "window/": its window), after
+    or before announcing it, once every other rank waits in ringcomm's set-up
+    (so past torch.distributed's own group set-up, which a death breaks too)."""
     from ringcomm.transport import shm
 
-    if rank == 0:
-        publish = shm._publish
+    if rank != 0:
+        get = shm._get
 
-        def publish_and_die(store, key, name):
-            publish(store, key, name)
-            if key.startswith(key_prefix):
-                os.kill(os.getpid(), signal.SIGKILL)
+        def signal_and_get(store, key, timeout_s, what):
+            store.set(f"test/waiting/{rank}", "1")
+            return get(store, key, timeout_s, what)
 
-        shm._publish = publish_and_die
+        shm._get = signal_and_get
+        return
+    publish = shm._publish
+
+    def publish_and_die(store, key, value):
+        if key.startswith(key_prefix):
+            store.wait([f"test/waiting/{r}" for r in range(1, world_size)])
+            if announce_first:
+                publish(store, key, value)
+            os.kill(os.getpid(), signal.SIGKILL)
+        publish(store, key, value)
+
+    shm._publish = publish_and_die
+
+
+def kill_rank0_after_announcing(rank, world_size, key_prefix):
+    kill_rank0_when_announcing(rank, world_size, key_prefix, announce_first=True)
     start = time.monotonic()
     with pytest.raises(RuntimeError) as info:
         group = ringcomm.new_group(transport="shm", timeout=SETUP_TIMEOUT_S)
@@ -328,19 +345,15 @@ def kill_rank0_after_publishing(rank, world_size, key_prefix):
 @pytest.mark.parametrize("key_prefix", ["shm/name", "window/"])
 def test_rank_killed_during_setup_leaves_nothing_in_dev_shm(key_prefix):
     before = set(glob.glob("/dev/shm/ringcomm-*"))
-    run_ranks(kill_rank0_after_publishing, 3, key_prefix, may_die=frozenset({0}), timeout=60)
+    run_ranks(kill_rank0_after_announcing, 3, key_prefix, may_die=frozenset({0}), timeout=60)
     left = set(glob.glob("/dev/shm/ringcomm-*")) - before
     assert not left, f"left in /dev/shm: {left}"
 
 
-def kill_rank0_before_publishing(rank, world_size):
-    """Rank 0 dies (SIGKILL) after creating the group's segment, before telling anyone its name."""
-    from ringcomm.transport import shm
-
-    if rank == 0:
-        shm._publish = lambda store, key, name: os.kill(os.getpid(), signal.SIGKILL)
+def kill_rank0_before_announcing(rank, world_size):
+    kill_rank0_when_announcing(rank, world_size, "shm/name", announce_first=False)
     with pytest.raises(RuntimeError, match="rank 0 to create the segment"):
-        ringcomm.new_group(transport="shm", timeout=1.0)
+        ringcomm.new_group(transport="shm", timeout=2.0)
 
 
 def test_segment_of_ranks_that_all_died_expires():
@@ -348,13 +361,13 @@ def test_segment_of_ranks_that_all_died_expires():
 
     before = set(glob.glob("/dev/shm/ringcomm-*"))
     start = time.time()
-    run_ranks(kill_rank0_before_publishing, 2, may_die=frozenset({0}), timeout=60)
+    run_ranks(kill_rank0_before_announcing, 2, may_die=frozenset({0}), timeout=60)
     left = set(glob.glob("/dev/shm/ringcomm-*")) - before
     try:
         # Only the dead creator knew the name: it stays until its expiry, which the sweep honours.
         assert len(left) == 1, left
         expiry = expiry_of(os.path.basename(next(iter(left))))
-        assert expiry is not None and expiry <= time.time() + 1.0 + EXPIRY_MARGIN_S + 1, (left, start)
+        assert expiry is not None and expiry <= time.time() + 2.0 + EXPIRY_MARGIN_S + 1, (left, start)
     finally:
         for path in left:
             os.unlink(path)
