@@ -147,10 +147,10 @@ def cuda_parity_worker(rank: int, world_size: int, backend: str, init_file: str)
 @needs_cuda
 @pytest.mark.parametrize("backend", sorted(PROCESS_GROUP))
 def test_cuda_parity_one_gpu(backend: str, tmp_path) -> None:
-    run_ranks(cuda_parity_worker, 1, backend, str(tmp_path / "rendezvous"), timeout=240)
+    run_ranks(cuda_parity_worker, 1, backend, str(tmp_path / "rendezvous"), timeout=120)
 
 
 @needs_two_gpus
 @pytest.mark.parametrize("backend", sorted(PROCESS_GROUP))
 def test_cuda_parity_two_gpus(backend: str, tmp_path) -> None:
-    run_ranks(cuda_parity_worker, 2, backend, str(tmp_path / "rendezvous"), timeout=240)
+    run_ranks(cuda_parity_worker, 2, backend, str(tmp_path / "rendezvous"), timeout=120)
