@@ -80,23 +80,39 @@ def cuda_test_files() -> list[str]:
     return sorted(str(path.relative_to(ROOT)) for path in (ROOT / "tests").glob("test_*cuda*.py"))
 
 
+def test_file(case: ElementTree.Element) -> str:
+    """The test module of a JUnit testcase ("tests.test_cuda.TestX" -> "test_cuda")."""
+    dotted = case.get("classname") or case.get("name", "")  # a collection error has no classname
+    parts = dotted.split(".")
+    return parts[1] if parts[0] == "tests" and len(parts) > 1 else parts[0]
+
+
 def pytest_verdict(junit_xml: str) -> tuple[Status, str]:
-    """Status and detail from pytest's JUnit XML: FAIL on any failure or error
-    (or nothing collected), SKIP when every test skipped, else PASS."""
-    root = ElementTree.fromstring(junit_xml)
-    cases = list(root.iter("testcase"))
-    failed = [f"{case.get('classname', '')}::{case.get('name', '')}" for case in cases
-              if case.find("failure") is not None or case.find("error") is not None]
-    skipped = [case.find("skipped") for case in cases if case.find("skipped") is not None]
-    reasons = sorted({(s.get("message") or "").removeprefix("Skipped: ")[:120] for s in skipped})
-    num_passed = len(cases) - len(failed) - len(skipped)
-    counts = f"{num_passed} passed, {len(failed)} failed, {len(skipped)} skipped"
-    if failed:
-        return Status.FAIL, f"{counts}: {', '.join(failed[:3])}{' ...' if len(failed) > 3 else ''}"
+    """Status and detail (counts per test file, skip reasons) from pytest's
+    JUnit XML: FAIL on any failure or error (or nothing collected), SKIP when
+    every test skipped, else PASS."""
+    cases = list(ElementTree.fromstring(junit_xml).iter("testcase"))
     if not cases:
         return Status.FAIL, "no tests collected"
-    because = f" ({'; '.join(reasons)})" if reasons else ""
-    return (Status.SKIP if num_passed == 0 else Status.PASS), counts + because
+    counts: dict[str, dict[str, int]] = {}
+    failed, reasons = [], set()
+    for case in cases:
+        outcome = "passed"
+        if case.find("failure") is not None or case.find("error") is not None:
+            outcome = "failed"
+            failed.append(f"{test_file(case)}::{case.get('name', '')}")
+        elif case.find("skipped") is not None:
+            outcome = "skipped"
+            reasons.add((case.find("skipped").get("message") or "").removeprefix("Skipped: ")[:120])
+        file_counts = counts.setdefault(test_file(case), {"passed": 0, "failed": 0, "skipped": 0})
+        file_counts[outcome] += 1
+    detail = "; ".join(f"{name}: " + ", ".join(f"{n} {outcome}" for outcome, n in c.items() if n or outcome == "passed")
+                       for name, c in counts.items())
+    if failed:
+        return Status.FAIL, f"{detail}; failed: {', '.join(failed[:3])}{' ...' if len(failed) > 3 else ''}"
+    detail += f" (skipped: {'; '.join(sorted(reasons))})" if reasons else ""
+    num_passed = sum(c["passed"] for c in counts.values())
+    return (Status.SKIP if num_passed == 0 else Status.PASS), detail
 
 
 def run_pytest(timeout_s: float) -> tuple[Status, str, str]:
@@ -111,7 +127,7 @@ def run_pytest(timeout_s: float) -> tuple[Status, str, str]:
         status, detail = pytest_verdict(junit.read_text())
     if status is not Status.FAIL and done.returncode != 0:
         status, detail = Status.FAIL, f"pytest exited {done.returncode}; {detail}"
-    return status, f"{' '.join(files)}: {detail}", done.output
+    return status, detail, done.output
 
 
 # ---- part: collectives ------------------------------------------------------------------

@@ -38,18 +38,20 @@ def junit(*cases: str) -> str:
     return f'<testsuites><testsuite name="pytest">{"".join(cases)}</testsuite></testsuites>'
 
 
-def case(name: str, body: str = "") -> str:
-    return f'<testcase classname="tests.test_x" name="{name}">{body}</testcase>'
+def case(name: str, body: str = "", module: str = "test_x") -> str:
+    return f'<testcase classname="tests.{module}" name="{name}">{body}</testcase>'
 
 
 SKIPPED = '<skipped type="pytest.skip" message="needs a CUDA device">why</skipped>'
 
 
 @pytest.mark.parametrize("xml, status, words", [
-    (junit(case("a"), case("b", SKIPPED)), Status.PASS, ["1 passed", "1 skipped", "needs a CUDA device"]),
-    (junit(case("a"), case("b", '<failure message="boom">trace</failure>')), Status.FAIL, ["1 failed", "test_x::b"]),
+    (junit(case("a"), case("b", SKIPPED)), Status.PASS, ["test_x: 1 passed, 1 skipped", "needs a CUDA device"]),
+    (junit(case("a"), case("b", '<failure message="boom">trace</failure>')), Status.FAIL,
+     ["test_x: 1 passed, 1 failed", "failed: test_x::b"]),
     (junit(case("a", '<error message="fixture">trace</error>')), Status.FAIL, ["1 failed", "test_x::a"]),
-    (junit(case("a", SKIPPED), case("b", SKIPPED)), Status.SKIP, ["0 passed", "2 skipped"]),
+    (junit(case("a", SKIPPED), case("b", SKIPPED)), Status.SKIP, ["test_x: 0 passed, 2 skipped"]),
+    (junit(case("a"), case("b", SKIPPED, module="test_y")), Status.PASS, ["test_x: 1 passed; test_y: 0 passed, 1 skipped"]),
     (junit(), Status.FAIL, ["no tests collected"]),
 ])
 def test_pytest_verdict(xml: str, status: Status, words: list[str]) -> None:
