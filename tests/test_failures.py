@@ -129,18 +129,18 @@ def test_new_group_needs_torch_distributed():
         ringcomm.new_group()
 
 
-def test_stale_segments_of_dead_creators_are_removed():
-    from ringcomm.transport.shm import remove_stale_segments
+def test_expired_segments_are_removed_and_live_ones_kept():
+    from ringcomm.transport.shm_names import remove_stale_segments
 
-    dead_pid = 2 ** 22 + 12345  # above the default pid_max: never a live process
-    path = f"/dev/shm/ringcomm-{dead_pid}-stale"
-    open(path, "wb").close()
-    live = f"/dev/shm/ringcomm-{os.getpid()}-live"
-    open(live, "wb").close()
+    now = int(time.time())
+    expired = f"/dev/shm/ringcomm-exp{now - 5}-{os.getpid():x}0"
+    live = f"/dev/shm/ringcomm-exp{now + 600}-{os.getpid():x}1"  # another job's set-up, whatever its creator's pid
+    for path in (expired, live):
+        open(path, "wb").close()
     try:
-        assert path in remove_stale_segments()
-        assert not os.path.exists(path) and os.path.exists(live)
+        assert expired in remove_stale_segments()
+        assert not os.path.exists(expired) and os.path.exists(live)
     finally:
-        for p in (path, live):
-            if os.path.exists(p):
-                os.unlink(p)
+        for path in (expired, live):
+            if os.path.exists(path):
+                os.unlink(path)

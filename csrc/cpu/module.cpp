@@ -11,6 +11,7 @@
 #include "shm_map.h"
 
 namespace py = pybind11;
+using ringcomm::OpDesc;
 using ringcomm::ShmComm;
 using ringcomm::ShmConfig;
 using ringcomm::ShmWindow;
@@ -42,6 +43,20 @@ PYBIND11_MODULE(_C, m) {
         py::arg("dtype"), py::arg("op"), py::arg("divisor") = 1, no_gil);
   m.def("copy", &copy, "memcpy of nbytes", py::arg("dst"), py::arg("src"), py::arg("nbytes"), no_gil);
 
+  // Test-only: an op descriptor as a peer writes it into its slot.
+  py::class_<OpDesc>(m, "_DebugOpDesc")
+      .def(py::init([]() { return OpDesc{0, -1, -1, -1, 0, 0, -1, 0, -1, 0}; }))
+      .def_readwrite("kind", &OpDesc::kind)
+      .def_readwrite("dtype", &OpDesc::dtype)
+      .def_readwrite("redop", &OpDesc::redop)
+      .def_readwrite("root", &OpDesc::root)
+      .def_readwrite("numel", &OpDesc::numel)
+      .def_readwrite("zero_copy", &OpDesc::zero_copy)
+      .def_readwrite("in_window", &OpDesc::in_window)
+      .def_readwrite("in_offset", &OpDesc::in_offset)
+      .def_readwrite("out_window", &OpDesc::out_window)
+      .def_readwrite("out_offset", &OpDesc::out_offset);
+
   py::class_<ShmComm>(m, "ShmComm")
       .def(py::init([](const std::string& name, int rank, int world_size, int64_t slot_nbytes, int num_slots,
                        int64_t oneshot_max_nbytes, int64_t spin_ns, bool create) {
@@ -67,6 +82,10 @@ PYBIND11_MODULE(_C, m) {
       .def("barrier", &ShmComm::barrier, py::arg("timeout_s"), no_gil)
       .def("register_window", &ShmComm::register_window, py::arg("id"), py::arg("bases"), py::arg("nbytes"))
       .def("unregister_window", &ShmComm::unregister_window, py::arg("id"))
+      .def("_debug_post", &ShmComm::debug_post, "test-only: post the next round with an unchecked descriptor",
+           py::arg("desc"))
+      .def("_debug_store", &ShmComm::debug_store, "test-only: store into this rank's header", py::arg("field"),
+           py::arg("value"))
       .def_property_readonly("rank", &ShmComm::rank)
       .def_property_readonly("world_size", &ShmComm::world_size)
       .def_property_readonly("rounds", &ShmComm::rounds);

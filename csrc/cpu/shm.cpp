@@ -8,18 +8,17 @@
 // flag sits on its own cache line; stores release, loads acquire. The first
 // round of an op also carries an OpDesc, so a rank that called a different op
 // or size is reported on every rank, and all ranks stay in step afterwards.
+
 #include "shm.h"
 
 #include "shm_map.h"
 
 #include <errno.h>
-#include <signal.h>
 #include <sched.h>
 #include <time.h>
 #include <unistd.h>
 
 #include <cstdio>
-#include <fstream>
 #include <sstream>
 
 namespace ringcomm {
@@ -43,19 +42,6 @@ int64_t headers_nbytes(int world_size) {
 
 int64_t slot_stride(const ShmConfig& config) { return round_up(static_cast<int64_t>(sizeof(OpDesc)) + config.slot_nbytes, 64); }
 
-// A process that exited is gone (ESRCH) or a zombie its parent has not reaped.
-bool process_alive(int64_t pid) {
-  if (pid <= 0) return true;
-  if (kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) return false;
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  std::string line;
-  if (!std::getline(stat, line)) return true;
-  const auto paren = line.rfind(')');
-  if (paren == std::string::npos || paren + 2 >= line.size()) return true;
-  const char state = line[paren + 2];
-  return state != 'Z' && state != 'X';
-}
-
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_ia32_pause();
@@ -71,7 +57,14 @@ int64_t ShmComm::segment_nbytes(int world_size, const ShmConfig& config) {
 }
 
 ShmComm::ShmComm(const std::string& name, int rank, int world_size, ShmConfig config, bool create)
-    : name_(name), rank_(rank), world_size_(world_size), config_(config), slot_stride_(slot_stride(config)) {
+    : name_(name),
+      rank_(rank),
+      world_size_(world_size),
+      config_(config),
+      slot_stride_(slot_stride(config)),
+      descs_(world_size > 0 ? world_size : 0),
+      peer_inputs_(world_size > 0 ? world_size : 0),
+      peer_outputs_(world_size > 0 ? world_size : 0) {
   if (world_size < 1 || rank < 0 || rank >= world_size)
     throw std::invalid_argument("shm: rank " + std::to_string(rank) + " outside world_size " + std::to_string(world_size));
   if (config.num_slots < 2) throw std::invalid_argument("shm: num_slots=" + std::to_string(config.num_slots) + " < 2");
@@ -94,6 +87,8 @@ ShmComm::ShmComm(const std::string& name, int rank, int world_size, ShmConfig co
     base_ = nullptr;
     throw std::runtime_error("shm: segment '" + name + "' was not made by this group (magic or config differs)");
   }
+  pid_ns_ = own_pid_namespace();
+  header(rank_)->pid_ns = pid_ns_;
   header(rank_)->pid = getpid();
 }
 
@@ -131,8 +126,15 @@ void ShmComm::fail(const std::string& message) {
   throw std::runtime_error(message);
 }
 
-void ShmComm::wait_for(int peer, const Flag& flag, uint64_t target, const StepInfo& step, const char* what) {
-  if (flag.value.load(std::memory_order_acquire) >= target) return;
+// Waits until `peer`'s flag reaches `target`; see [Note: shm trust] in shm_trust.cpp for `limit`.
+void ShmComm::wait_for(int peer, FlagKind kind, uint64_t target, const StepInfo& step, const char* what) {
+  const Flag& flag = kind == FlagKind::kPosted ? header(peer)->posted : header(peer)->consumed;
+  const uint64_t limit = kind == FlagKind::kPosted ? seq_ + config_.num_slots : seq_;
+  uint64_t value = flag.value.load(std::memory_order_acquire);
+  if (value >= target) {
+    if (value > limit) fail_flag(peer, kind, value, limit, step);
+    return;
+  }
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
   const auto spin_until = start + std::chrono::nanoseconds(config_.spin_ns);
@@ -140,7 +142,11 @@ void ShmComm::wait_for(int peer, const Flag& flag, uint64_t target, const StepIn
   // Spin (the peer is running on another core), then yield the core (ranks
   // outnumber cores, or the peer is late), then sleep (the peer is very late).
   for (int64_t spin = 1;; ++spin) {
-    if (flag.value.load(std::memory_order_acquire) >= target) return;
+    value = flag.value.load(std::memory_order_acquire);
+    if (value >= target) {
+      if (value > limit) fail_flag(peer, kind, value, limit, step);
+      return;
+    }
     if (spin % 64 != 0) {
       cpu_relax();
       continue;
@@ -158,8 +164,9 @@ void ShmComm::wait_for(int peer, const Flag& flag, uint64_t target, const StepIn
     std::ostringstream where;
     where << step.op << ": rank " << rank_ << " at step " << step.step << "/" << step.num_steps << " (round " << target
           << ") waiting for rank " << peer << " to " << what;
-    const int64_t pid = header(peer)->pid;
-    if (!process_alive(pid)) fail(where.str() + ": rank " + std::to_string(peer) + " (pid " + std::to_string(pid) + ") has exited");
+    if (peer_exited(peer)) {
+      fail(where.str() + ": rank " + std::to_string(peer) + " (pid " + std::to_string(header(peer)->pid) + ") has exited");
+    }
     if (now >= step.deadline) {
       std::ostringstream message;
       message << where.str() << ": timed out after " << step.timeout_s << " s";
@@ -173,7 +180,7 @@ char* ShmComm::acquire_slot(const StepInfo& step) {
   if (round > static_cast<uint64_t>(config_.num_slots)) {
     const uint64_t target = round - config_.num_slots;
     for (int peer = 0; peer < world_size_; ++peer)
-      if (peer != rank_) wait_for(peer, header(peer)->consumed, target, step, "free a staging slot");
+      if (peer != rank_) wait_for(peer, FlagKind::kConsumed, target, step, "free a staging slot");
   }
   return slot_data(rank_, round);
 }
@@ -187,29 +194,9 @@ void ShmComm::post(const OpDesc* desc) {
 
 void ShmComm::wait_posted(const StepInfo& step) {
   for (int peer = 0; peer < world_size_; ++peer)
-    if (peer != rank_) wait_for(peer, header(peer)->posted, seq_, step, "post its data");
+    if (peer != rank_) wait_for(peer, FlagKind::kPosted, seq_, step, "post its data");
 }
 
 void ShmComm::release() { header(rank_)->consumed.value.store(seq_, std::memory_order_release); }
-
-void ShmComm::check_descs(const StepInfo& step, const OpDesc& mine) {
-  std::ostringstream mismatch;
-  for (int peer = 0; peer < world_size_; ++peer) {
-    const OpDesc& theirs = *slot_desc(peer, seq_);
-    if (theirs.kind == mine.kind && theirs.dtype == mine.dtype && theirs.redop == mine.redop && theirs.root == mine.root &&
-        theirs.numel == mine.numel && theirs.zero_copy == mine.zero_copy)
-      continue;
-    mismatch << " rank " << peer << " called (kind=" << theirs.kind << ", dtype=" << theirs.dtype << ", op=" << theirs.redop
-             << ", root=" << theirs.root << ", numel=" << theirs.numel << ", shm-allocated=" << theirs.zero_copy << ");";
-  }
-  if (mismatch.str().empty()) return;
-  release();  // every rank sees the mismatch in this round, so all stay in step
-  std::ostringstream message;
-  message << step.op << ": ranks disagree on the call: rank " << rank_ << " called (kind=" << mine.kind
-          << ", dtype=" << mine.dtype << ", op=" << mine.redop << ", root=" << mine.root << ", numel=" << mine.numel
-          << ", shm-allocated=" << mine.zero_copy << ") but" << mismatch.str()
-          << " every rank must pass the same op, dtype and sizes, and either all or no tensors from ringcomm.empty";
-  throw std::invalid_argument(message.str());
-}
 
 }  // namespace ringcomm

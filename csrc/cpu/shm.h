@@ -38,6 +38,7 @@ struct RankHeader {
   Flag posted;    // last round whose data this rank has written into its slot
   Flag consumed;  // last round whose peer slots this rank has finished reading
   alignas(64) int64_t pid;
+  uint64_t pid_ns;  // inode of the rank's /proc/self/ns/pid (0: unknown); its pid means something only there
 };
 
 struct ShmConfig {
@@ -55,6 +56,9 @@ struct StepInfo {
   std::chrono::steady_clock::time_point deadline;
   double timeout_s;
 };
+
+// This process's pid namespace (inode of /proc/self/ns/pid; 0 where unknown).
+uint64_t own_pid_namespace();
 
 class ShmComm {
  public:
@@ -75,6 +79,11 @@ class ShmComm {
   void register_window(int64_t id, const std::vector<uintptr_t>& bases, const std::vector<int64_t>& nbytes);
   void unregister_window(int64_t id);
 
+  // Test-only (shm_debug.cpp): post the next round with `desc` unchecked, or
+  // store `value` into this rank's header field "posted", "consumed" or "pid".
+  void debug_post(const OpDesc& desc);
+  void debug_store(const std::string& field, int64_t value);
+
   int rank() const { return rank_; }
   int world_size() const { return world_size_; }
   uint64_t rounds() const { return seq_; }
@@ -86,13 +95,17 @@ class ShmComm {
   void post(const OpDesc* desc);
   void wait_posted(const StepInfo& step);
   void check_descs(const StepInfo& step, const OpDesc& mine);
+  void check_desc_range(const StepInfo& step, int peer, const OpDesc& theirs);
   void release();
   char* slot_data(int rank, uint64_t round) const;
   OpDesc* slot_desc(int rank, uint64_t round) const;
   RankHeader* header(int rank) const;
 
-  void wait_for(int peer, const Flag& flag, uint64_t target, const StepInfo& step, const char* what);
+  enum class FlagKind { kPosted, kConsumed };
+  void wait_for(int peer, FlagKind kind, uint64_t target, const StepInfo& step, const char* what);
+  [[noreturn]] void fail_flag(int peer, FlagKind kind, uint64_t value, uint64_t limit, const StepInfo& step);
   [[noreturn]] void fail(const std::string& message);
+  bool peer_exited(int peer) const;
   void check_usable(const char* op) const;
   StepInfo begin_op(const char* op, int64_t num_steps, double timeout_s) const;
 
@@ -103,8 +116,8 @@ class ShmComm {
   bool locate(const void* ptr, int64_t nbytes, int64_t* window, int64_t* offset) const;
   OpDesc describe(OpKind kind, int dtype, int redop, int root, int64_t numel, const void* in, int64_t in_nbytes,
                   const void* out, int64_t out_nbytes) const;
-  const char* peer_input(int peer) const;
-  const char* peer_output(int peer) const;
+  void resolve_windows(const StepInfo& step, const OpDesc& mine);
+  const char* window_span(const StepInfo& step, int peer, int64_t id, int64_t offset, int64_t nbytes, const char* what);
   void wait_consumed(const StepInfo& step);
   void all_reduce_windows(const char* in, char* out, const OpDesc& desc, StepInfo& step);
   void reduce_scatter_windows(const char* in, char* out, const OpDesc& desc, StepInfo& step);
@@ -118,8 +131,15 @@ class ShmComm {
   int64_t slot_stride_;  // desc header + data, rounded to a page
   char* base_ = nullptr;
   int64_t mapped_nbytes_ = 0;
+  uint64_t pid_ns_ = 0;  // this process's pid namespace, as in RankHeader
   uint64_t seq_ = 0;  // rounds this rank has posted
   std::vector<WindowTable> windows_;
+  // Filled by check_descs in the first round of an op: every rank's OpDesc as
+  // read once from the segment and checked, and (zero-copy ops) where each
+  // peer's input and output lie in this process, checked against the windows.
+  std::vector<OpDesc> descs_;
+  std::vector<const char*> peer_inputs_;
+  std::vector<const char*> peer_outputs_;
   std::string broken_;
 };
 

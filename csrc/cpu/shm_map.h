@@ -8,6 +8,7 @@ namespace ringcomm {
 
 // Creates (mode 0600, pages reserved up front so a full /dev/shm fails here and
 // not as SIGBUS later) or opens the segment `name` of `nbytes` and maps it.
+// Opening refuses a segment of another user or with a mode other than 0600.
 char* map_segment(const std::string& name, int64_t nbytes, bool create);
 void unmap_segment(char* data, int64_t nbytes);
 void unlink_segment(const std::string& name);

@@ -63,27 +63,43 @@ OpDesc ShmComm::describe(OpKind kind, int dtype, int redop, int root, int64_t nu
   return desc;
 }
 
-static const char* window_address(const std::vector<WindowTable>& windows, int peer, int64_t id, int64_t offset,
-                                  const char* op) {
-  for (const WindowTable& table : windows)
-    if (table.id == id) return table.bases[peer] + offset;
-  throw std::runtime_error(std::string(op) + ": rank " + std::to_string(peer) + " passed window " + std::to_string(id) +
-                           ", which this rank no longer has (freed its ringcomm.empty tensor?)");
+// Where `nbytes` at `offset` of `peer`'s window `id` lie in this process, after
+// checking them against that window (see [Note: shm trust] in shm_trust.cpp).
+const char* ShmComm::window_span(const StepInfo& step, int peer, int64_t id, int64_t offset, int64_t nbytes,
+                                 const char* what) {
+  for (const WindowTable& table : windows_) {
+    if (table.id != id) continue;
+    const int64_t window_nbytes = table.nbytes[peer];
+    if (offset >= 0 && nbytes <= window_nbytes && offset <= window_nbytes - nbytes) return table.bases[peer] + offset;
+    fail(std::string(step.op) + ": rank " + std::to_string(rank_) + ": rank " + std::to_string(peer) + " passed its " +
+         what + " at offset " + std::to_string(offset) + " of window " + std::to_string(id) + " for " +
+         std::to_string(nbytes) + " bytes, outside that window's " + std::to_string(window_nbytes) +
+         " bytes: the shared segment is corrupt");
+  }
+  fail(std::string(step.op) + ": rank " + std::to_string(rank_) + ": rank " + std::to_string(peer) + " passed its " +
+       what + " in window " + std::to_string(id) +
+       ", which this rank does not have (freed its ringcomm.empty tensor, or the shared segment is corrupt)");
 }
 
-const char* ShmComm::peer_input(int peer) const {
-  const OpDesc& desc = *slot_desc(peer, seq_);
-  return window_address(windows_, peer, desc.in_window, desc.in_offset, "shm");
-}
-
-const char* ShmComm::peer_output(int peer) const {
-  const OpDesc& desc = *slot_desc(peer, seq_);
-  return desc.out_window < 0 ? peer_input(peer) : window_address(windows_, peer, desc.out_window, desc.out_offset, "shm");
+// Fills peer_inputs_ / peer_outputs_ from descs_ for the bytes `mine` makes
+// peers read (all ranks' descs agree with it on kind, dtype and numel by now).
+void ShmComm::resolve_windows(const StepInfo& step, const OpDesc& mine) {
+  const int64_t nbytes = mine.numel * element_nbytes(static_cast<DType>(mine.dtype));
+  const bool is_all_reduce = mine.kind == static_cast<int32_t>(OpKind::kAllReduce);
+  const int64_t in_nbytes = mine.kind == static_cast<int32_t>(OpKind::kReduceScatter) ? world_size_ * nbytes : nbytes;
+  for (int peer = 0; peer < world_size_; ++peer) {
+    if (peer == rank_) continue;
+    const OpDesc& theirs = descs_[peer];
+    peer_inputs_[peer] = window_span(step, peer, theirs.in_window, theirs.in_offset, in_nbytes, "input");
+    peer_outputs_[peer] = is_all_reduce && theirs.out_window >= 0
+                              ? window_span(step, peer, theirs.out_window, theirs.out_offset, nbytes, "output")
+                              : peer_inputs_[peer];
+  }
 }
 
 void ShmComm::wait_consumed(const StepInfo& step) {
   for (int peer = 0; peer < world_size_; ++peer)
-    if (peer != rank_) wait_for(peer, header(peer)->consumed, seq_, step, "finish reading this rank's buffer");
+    if (peer != rank_) wait_for(peer, FlagKind::kConsumed, seq_, step, "finish reading this rank's buffer");
 }
 
 // Round 1: each rank reduces its chunk from every rank's input into its output.
@@ -102,8 +118,8 @@ void ShmComm::all_reduce_windows(const char* in, char* out, const OpDesc& desc, 
   std::vector<const void*> srcs(world_size_);
   const Span mine = balanced_chunk(desc.numel, world_size_, rank_);
   for (int peer = 0; peer < world_size_; ++peer) {
-    outputs[peer] = peer == rank_ ? out : peer_output(peer);
-    srcs[peer] = (peer == rank_ ? in : peer_input(peer)) + mine.begin * esize;
+    outputs[peer] = peer == rank_ ? out : peer_outputs_[peer];
+    srcs[peer] = (peer == rank_ ? in : peer_inputs_[peer]) + mine.begin * esize;
   }
   reduce_n(out + mine.begin * esize, srcs.data(), world_size_, mine.numel, dt, static_cast<RedOp>(desc.redop),
            world_size_);
@@ -132,7 +148,7 @@ void ShmComm::reduce_scatter_windows(const char* in, char* out, const OpDesc& de
   check_descs(step, desc);
   std::vector<const void*> srcs(world_size_);
   for (int peer = 0; peer < world_size_; ++peer)
-    srcs[peer] = (peer == rank_ ? in : peer_input(peer)) + rank_ * chunk_nbytes;
+    srcs[peer] = (peer == rank_ ? in : peer_inputs_[peer]) + rank_ * chunk_nbytes;
   reduce_n(out, srcs.data(), world_size_, desc.numel, dt, static_cast<RedOp>(desc.redop), world_size_);
   release();
   wait_consumed(step);
@@ -148,7 +164,7 @@ void ShmComm::all_gather_windows(const char* in, char* out, const OpDesc& desc, 
   wait_posted(step);
   check_descs(step, desc);
   for (int peer = 0; peer < world_size_; ++peer)
-    if (peer != rank_) copy_bytes(out + peer * chunk_nbytes, peer_input(peer), chunk_nbytes);
+    if (peer != rank_) copy_bytes(out + peer * chunk_nbytes, peer_inputs_[peer], chunk_nbytes);
   release();
   wait_consumed(step);
 }
@@ -160,7 +176,7 @@ void ShmComm::broadcast_windows(char* data, const OpDesc& desc, StepInfo& step) 
   wait_posted(step);
   check_descs(step, desc);
   if (rank_ != desc.root)
-    copy_bytes(data, peer_input(desc.root), desc.numel * element_nbytes(static_cast<DType>(desc.dtype)));
+    copy_bytes(data, peer_inputs_[desc.root], desc.numel * element_nbytes(static_cast<DType>(desc.dtype)));
   release();
   if (rank_ == desc.root) wait_consumed(step);
 }

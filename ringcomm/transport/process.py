@@ -4,11 +4,6 @@ from __future__ import annotations
 import os
 
 
-def pid_alive(pid: int) -> bool:
-    """False once `pid` has exited, also while it is a zombie its parent has not reaped."""
-    return process_state(pid) != "exited"
-
-
 def process_state(pid: int) -> str:
     """"exited" (gone, or a zombie), "stopped" (SIGSTOP, or traced) or "running"."""
     try:

@@ -3,14 +3,13 @@
 Segment lifetime: rank 0 creates the segment (mode 0600, a name unique per
 group and run), every rank maps it, and rank 0 unlinks the name as soon as all
 ranks have mapped it. From then on the memory lives only in the mappings, so
-nothing is left in /dev/shm however the processes end. A segment left by a
-creator that died during set-up is removed by the next group created on the host.
+nothing is left in /dev/shm however the processes end. A name left by ranks
+that all died during set-up expires and is removed by the next group created on
+the host (see [Note: shm names] in shm_names.py).
 """
 from __future__ import annotations
 
-import glob
 import os
-import secrets
 import time
 import weakref
 from dataclasses import dataclass
@@ -20,11 +19,8 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
-from .process import pid_alive
+from .shm_names import expiry_of, new_name, remove_stale_segments
 from ..ops import DTYPE_CODES, ReduceOp
-
-SHM_DIR = "/dev/shm"
-NAME_PREFIX = "ringcomm-"
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,55 +44,71 @@ class ShmTransport:
 
     @classmethod
     def create(cls, store: dist.Store, rank: int, world_size: int, timeout_s: float, options: ShmOptions) -> ShmTransport:
-        """Collective over the group's ranks: rendezvous through `store`."""
+        """Collective over the group's ranks: rendezvous through `store`. Every rank
+        that learned the segment's name unlinks it when its set-up ends, however
+        it ends ([Note: shm names] in shm_names.py)."""
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         spin = int(options.spin_us * 1000) if world_size <= cores else 0
         args = (rank, world_size, options.slot_nbytes, options.num_slots, options.oneshot_max_nbytes, spin)
-        if rank != 0:
+        if rank == 0:
+            remove_stale_segments()
+            name = new_name(timeout_s)
+            comm = _C.ShmComm(name, *args, create=True)
+        else:
             name = _get(store, "shm/name", timeout_s, f"shm: rank {rank} waiting for rank 0 to create the segment").decode()
-            comm = _C.ShmComm(name, *args, create=False)
-            store.set(f"shm/attached/{rank}", "1")
-            return cls(comm, store, timeout_s)
-        remove_stale_segments()
-        name = f"/{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
-        comm = _C.ShmComm(name, *args, create=True)
+            _check_name(name, rank, 0)
         try:
-            store.set("shm/name", name)
-            _wait_attached(store, "shm/attached", world_size, timeout_s)
+            if rank == 0:
+                _publish(store, "shm/name", name)
+                _wait_attached(store, "shm/attached", world_size, timeout_s)
+                _C.ShmComm.unlink(name)  # every rank mapped it: the name has done its job
+            else:
+                comm = _C.ShmComm(name, *args, create=False)
+                store.set(f"shm/attached/{rank}", "1")
+            _confirm_setup(comm, "new_group", timeout_s)
         finally:
             _C.ShmComm.unlink(name)
         return cls(comm, store, timeout_s)
 
     def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Collective: a tensor in a window of shared memory that every rank maps,
-        so collectives on it read peers' data in place (no staging copies). Its
-        segment is unlinked once all ranks mapped it; the memory lives as long
-        as the tensor (and the peers' mappings of it)."""
+        so collectives on it read peers' data in place (no staging copies). Every
+        rank unlinks the names of all windows it learned once all ranks mapped
+        them, or when it fails; the memory lives as long as the tensor (and the
+        peers' mappings of it)."""
         window_id = self._next_window
         self._next_window += 1
-        element_nbytes = torch.empty(0, dtype=dtype).element_size()
-        nbytes = max(1, numel) * element_nbytes
-        name = f"/{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+        nbytes = max(1, numel) * torch.empty(0, dtype=dtype).element_size()
+        deadline = time.monotonic() + self.timeout_s
+        name = new_name(self.timeout_s)
         own = _C.ShmWindow(name, nbytes, create=True)
-        prefix = f"window/{window_id}"
+        names = [name]
+        peers = {}
         try:
-            self._store.set(f"{prefix}/{self.rank}", f"{name} {nbytes}")
-            peers = {}
+            _publish(self._store, f"window/{window_id}/{self.rank}", f"{name} {nbytes}")
             for peer in range(self.world_size):
                 if peer != self.rank:
-                    what = f"empty: rank {self.rank} waiting for rank {peer} to allocate (every rank must call it)"
-                    peer_name, peer_nbytes = _get(self._store, f"{prefix}/{peer}", self.timeout_s, what).decode().split()
-                    peers[peer] = _C.ShmWindow(peer_name, int(peer_nbytes), create=False)
-            self._store.set(f"{prefix}/mapped/{self.rank}", "1")
-            _wait_attached(self._store, f"{prefix}/mapped", self.world_size, self.timeout_s, first=0)
+                    peers[peer] = self._map_window_of(peer, window_id, deadline, names)
+            _confirm_setup(self._comm, "empty", _left(deadline))
         finally:
-            _C.ShmWindow.unlink(name)
+            for learned in names:
+                _C.ShmWindow.unlink(learned)
         windows = [peers.get(r, own) for r in range(self.world_size)]
         self._comm.register_window(window_id, [w.address for w in windows], [w.nbytes for w in windows])
         # Forget the window before its memory can be reused: the finalizer runs when
         # the last tensor on it is gone, before the mapping is released.
         weakref.finalize(own, _forget_window, weakref.ref(self), window_id, peers)
         return torch.frombuffer(own, dtype=torch.uint8, count=nbytes).view(dtype)[:numel]
+
+    def _map_window_of(self, peer: int, window_id: int, deadline: float, names: list[str]) -> _C.ShmWindow:
+        """Maps `peer`'s window `window_id` once announced; appends its name to `names`."""
+        what = f"empty: rank {self.rank} waiting for rank {peer} to allocate (every rank must call it)"
+        name, _, nbytes = _get(self._store, f"window/{window_id}/{peer}", _left(deadline), what).decode().partition(" ")
+        _check_name(name, self.rank, peer)
+        names.append(name)
+        if not nbytes.isdigit():
+            raise RuntimeError(f"empty: rank {self.rank}: rank {peer} announced window {name} of {nbytes!r} bytes")
+        return _C.ShmWindow(name, int(nbytes), create=False)
 
     def supports(self, tensor: torch.Tensor) -> bool:
         return tensor.is_cpu
@@ -124,6 +136,32 @@ class ShmTransport:
         self._comm = None
 
 
+def _publish(store: dist.Store, key: str, name: str) -> None:
+    """Tells the other ranks the name of a segment this rank created."""
+    store.set(key, name)
+
+
+def _check_name(name: str, rank: int, peer: int) -> None:
+    """A name a peer announced is one new_name makes, so that this rank maps, and
+    unlinks on failure, nothing but ringcomm's own segments."""
+    if not name.startswith("/") or expiry_of(name[1:]) is None:
+        raise RuntimeError(f"shm: rank {rank}: rank {peer} announced segment name {name!r}, which ringcomm does not make")
+
+
+def _left(deadline: float) -> float:
+    """Seconds until `deadline` (time.monotonic), at least a millisecond."""
+    return max(deadline - time.monotonic(), 0.001)
+
+
+def _confirm_setup(comm: _C.ShmComm, op: str, timeout_s: float) -> None:
+    """Ends a set-up with a barrier through the segment: a peer that died after
+    it announced a name is named here (by pid, at once), not at the first collective."""
+    try:
+        comm.barrier(timeout_s)
+    except RuntimeError as err:
+        raise RuntimeError(f"{op}: rank {comm.rank}: shared-memory set-up failed: {err}") from err
+
+
 def _get(store: dist.Store, key: str, timeout_s: float, what: str) -> bytes:
     try:
         store.wait([key], timedelta(seconds=timeout_s))
@@ -139,8 +177,8 @@ def _forget_window(transport_ref: weakref.ref, window_id: int, peers: dict) -> N
     peers.clear()
 
 
-def _wait_attached(store: dist.Store, prefix: str, world_size: int, timeout_s: float, first: int = 1) -> None:
-    keys = [f"{prefix}/{r}" for r in range(first, world_size)]
+def _wait_attached(store: dist.Store, prefix: str, world_size: int, timeout_s: float) -> None:
+    keys = [f"{prefix}/{r}" for r in range(1, world_size)]
     deadline = time.monotonic() + timeout_s
     while True:
         missing = [int(k.rsplit("/", 1)[1]) for k in keys if not store.check([k])]
@@ -149,18 +187,3 @@ def _wait_attached(store: dist.Store, prefix: str, world_size: int, timeout_s: f
         if time.monotonic() > deadline:
             raise RuntimeError(f"shm: timed out after {timeout_s} s waiting for ranks {missing} to map a segment ({prefix})")
         time.sleep(0.001)
-
-
-def remove_stale_segments() -> list[str]:
-    """Unlink ringcomm segments whose creating process no longer exists."""
-    removed = []
-    for path in glob.glob(os.path.join(SHM_DIR, NAME_PREFIX + "*")):
-        pid_text = os.path.basename(path)[len(NAME_PREFIX):].split("-", 1)[0]
-        if pid_text.isdigit() and not pid_alive(int(pid_text)):
-            try:
-                os.unlink(path)
-                removed.append(path)
-            except FileNotFoundError:
-                pass
-    return removed
-

@@ -1,0 +1,104 @@
+// What this rank reads from the shared segment, checked before use.
+//
+// [Note: shm trust] Peers write the segment, so whatever this rank reads from
+// it is checked before use, in O(world_size) integer compares per wait or op:
+// flags against what the protocol allows (a peer posts at most num_slots
+// rounds past this rank's last post, since it waits for this rank's consumed
+// before reusing a slot, and consumes only rounds this rank posted), OpDescs
+// against the ranges of their fields and, for zero-copy ops, window ids and
+// offsets against the windows this rank mapped (shm_window.cpp). Each OpDesc
+// is read once into descs_, so a peer rewriting it later changes nothing. A
+// violation breaks the group, as a dead peer does.
+#include <errno.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <limits>
+#include <sstream>
+
+#include "shm.h"
+
+namespace ringcomm {
+namespace {
+
+// A process that exited is gone (ESRCH) or a zombie its parent has not reaped.
+bool process_alive(int64_t pid) {
+  if (pid <= 0 || pid > std::numeric_limits<pid_t>::max()) return true;  // not a pid: not judged
+  if (kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) return false;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return true;
+  const auto paren = line.rfind(')');
+  if (paren == std::string::npos || paren + 2 >= line.size()) return true;
+  const char state = line[paren + 2];
+  return state != 'Z' && state != 'X';
+}
+
+}  // namespace
+
+// The pid namespace of this process (0 where /proc does not say): pids of
+// processes in other namespaces (containers sharing /dev/shm) mean nothing here.
+uint64_t own_pid_namespace() {
+  struct stat st;
+  return stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
+}
+
+// Judged by pid only for a peer in this pid namespace; any other peer is waited
+// for until the deadline.
+bool ShmComm::peer_exited(int peer) const {
+  const RankHeader* theirs = header(peer);
+  return pid_ns_ != 0 && theirs->pid_ns == pid_ns_ && !process_alive(theirs->pid);
+}
+
+void ShmComm::fail_flag(int peer, FlagKind kind, uint64_t value, uint64_t limit, const StepInfo& step) {
+  std::ostringstream message;
+  message << step.op << ": rank " << rank_ << " at step " << step.step << "/" << step.num_steps << " (round " << seq_
+          << ") read rank " << peer << "'s " << (kind == FlagKind::kPosted ? "posted" : "consumed") << "=" << value
+          << ", which the protocol never reaches (at most " << limit << "): the shared segment is corrupt";
+  fail(message.str());
+}
+
+// Fields out of their ranges are a corrupt segment, not a caller mistake.
+void ShmComm::check_desc_range(const StepInfo& step, int peer, const OpDesc& theirs) {
+  if (theirs.kind >= 0 && theirs.kind <= static_cast<int32_t>(OpKind::kBroadcast) && theirs.dtype >= -1 &&
+      theirs.dtype <= static_cast<int32_t>(DType::kInt64) && theirs.redop >= -1 &&
+      theirs.redop <= static_cast<int32_t>(RedOp::kMax) && theirs.root >= -1 && theirs.root < world_size_ &&
+      theirs.numel >= 0 && (theirs.zero_copy == 0 || theirs.zero_copy == 1))
+    return;
+  std::ostringstream message;
+  message << step.op << ": rank " << rank_ << " read an impossible op descriptor from rank " << peer
+          << " (kind=" << theirs.kind << ", dtype=" << theirs.dtype << ", op=" << theirs.redop << ", root=" << theirs.root
+          << ", numel=" << theirs.numel << ", shm-allocated=" << theirs.zero_copy << "): the shared segment is corrupt";
+  fail(message.str());
+}
+
+void ShmComm::check_descs(const StepInfo& step, const OpDesc& mine) {
+  for (int peer = 0; peer < world_size_; ++peer) {
+    descs_[peer] = *slot_desc(peer, seq_);
+    check_desc_range(step, peer, descs_[peer]);
+  }
+  std::ostringstream mismatch;
+  for (int peer = 0; peer < world_size_; ++peer) {
+    const OpDesc& theirs = descs_[peer];
+    if (theirs.kind == mine.kind && theirs.dtype == mine.dtype && theirs.redop == mine.redop && theirs.root == mine.root &&
+        theirs.numel == mine.numel && theirs.zero_copy == mine.zero_copy)
+      continue;
+    mismatch << " rank " << peer << " called (kind=" << theirs.kind << ", dtype=" << theirs.dtype << ", op=" << theirs.redop
+             << ", root=" << theirs.root << ", numel=" << theirs.numel << ", shm-allocated=" << theirs.zero_copy << ");";
+  }
+  if (mismatch.str().empty()) {
+    if (mine.zero_copy) resolve_windows(step, mine);
+    return;
+  }
+  release();  // every rank sees the mismatch in this round, so all stay in step
+  std::ostringstream message;
+  message << step.op << ": ranks disagree on the call: rank " << rank_ << " called (kind=" << mine.kind
+          << ", dtype=" << mine.dtype << ", op=" << mine.redop << ", root=" << mine.root << ", numel=" << mine.numel
+          << ", shm-allocated=" << mine.zero_copy << ") but" << mismatch.str()
+          << " every rank must pass the same op, dtype and sizes, and either all or no tensors from ringcomm.empty";
+  throw std::invalid_argument(message.str());
+}
+
+}  // namespace ringcomm
