@@ -9,8 +9,8 @@ Parts, each a subprocess with its own timeout (7.5 minutes in all at most):
   pytest       tests/*cuda*.py: the CUDA kernels, the ZeRO engine's stages 0-3 on CUDA
   collectives  benchmarks/gpu_collectives.py: NCCL vs the "ringcomm" backend on CUDA
                tensors, one rank per GPU, results checked, times compared
-  zero_step    benchmarks/zero_step.py runs on CPU only (no device option): SKIP; the
-               engine's stages on CUDA are the pytest part's tests/test_zero_cuda.py
+  zero_step    benchmarks/zero_step.py --device cuda: the ZeRO engine's step time at
+               stages 0-3 on ringcomm and on plain torch.distributed (NCCL), one rank per GPU
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTS = ("pytest", "collectives", "zero_step")
-TIMEOUT_S = {"pytest": 360.0, "collectives": 90.0}
+TIMEOUT_S = {"pytest": 300.0, "collectives": 90.0, "zero_step": 60.0}
 TAIL_CHARS = 4000  # of a part's output, kept in the JSON
 
 
@@ -164,8 +164,27 @@ def run_collectives(timeout_s: float) -> tuple[Status, str, str]:
 # ---- part: zero_step --------------------------------------------------------------------
 
 def run_zero_step(timeout_s: float) -> tuple[Status, str, str]:
-    return (Status.SKIP, "benchmarks/zero_step.py has no device option (CPU only); ZeRO stages 0-3 on CUDA "
-            "are checked by tests/test_zero_cuda.py in the pytest part", "")
+    import torch
+
+    frameworks = ("zero", "zero-torch")
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+        report_path = Path(tmp) / "zero_step.json"
+        command = [sys.executable, "benchmarks/zero_step.py", "--device", "cuda", "--nproc",
+                   str(torch.cuda.device_count()), "--frameworks", ",".join(frameworks), "--steps", "4",
+                   "--warmup", "1", "--json", str(report_path)]
+        done = run_command(command, timeout_s)
+        if done.timed_out:
+            return Status.FAIL, f"timed out after {timeout_s:.0f} s", done.output
+        if done.returncode != 0 or not report_path.exists():
+            return Status.FAIL, f"exited {done.returncode}: {last_line(done.output)}", done.output
+        seconds = json.loads(report_path.read_text())["seconds"]
+    failed = [f"{f} stage {stage}: {value}" for f in frameworks for stage, value in seconds.get(f, {}).items()
+              if not isinstance(value, float)]
+    if failed or any(len(seconds.get(f, {})) != 4 for f in frameworks):
+        return Status.FAIL, f"not every stage ran: {failed[:2] or seconds}", done.output
+    times = ", ".join(f"{f} " + "/".join(f"{seconds[f][s] * 1e3:.1f}" for s in sorted(seconds[f])) + " ms"
+                      for f in frameworks)
+    return Status.PASS, f"step time, stages 0/1/2/3: {times}", done.output
 
 
 RUNNERS = {"pytest": run_pytest, "collectives": run_collectives, "zero_step": run_zero_step}

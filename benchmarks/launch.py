@@ -25,36 +25,39 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _entry(worker: Callable, rank: int, world_size: int, port: int, args, timeout_s: float) -> None:
+def _entry(worker: Callable, rank: int, world_size: int, port: int, args, timeout_s: float, backend: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
-        _init_and_run(worker, args, timeout_s)
+        _init_and_run(worker, args, timeout_s, backend)
     except BaseException:
         print(f"[rank {rank}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         sys.exit(1)
 
 
-def _init_and_run(worker: Callable, args, timeout_s: float) -> None:
+def _init_and_run(worker: Callable, args, timeout_s: float, backend: str = "gloo") -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=timeout_s))
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ["RANK"])) % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
     try:
         worker(args)
     finally:
         dist.destroy_process_group()
 
 
-def launch(worker: Callable, args, *, nproc: int, timeout_s: float, deadline_s: float) -> int:
-    """Runs worker(args) on every rank; returns the exit code for the whole run."""
+def launch(worker: Callable, args, *, nproc: int, timeout_s: float, deadline_s: float, backend: str = "gloo") -> int:
+    """Runs worker(args) on every rank, the default group on `backend`;
+    returns the exit code for the whole run."""
     if under_launcher():
-        _init_and_run(worker, args, timeout_s)
+        _init_and_run(worker, args, timeout_s, backend)
         return 0
     context = mp.get_context("spawn")
     port = _free_port()
-    procs = [context.Process(target=_entry, args=(worker, r, nproc, port, args, timeout_s), name=f"rank{r}")
+    procs = [context.Process(target=_entry, args=(worker, r, nproc, port, args, timeout_s, backend), name=f"rank{r}")
              for r in range(nproc)]
     for proc in procs:
         proc.start()

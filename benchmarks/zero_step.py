@@ -41,8 +41,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--frameworks", default="zero,zero-unfused,zero-torch,deepspeed,ddp,fsdp2",
                    help="zero-unfused: per-tensor AdamW; "
                         "zero-torch: plain torch.distributed; also zero-inline (overlap_comm false)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: one GPU per rank, the default group on NCCL (zero on ringcomm then runs "
+                        "torch.distributed's collectives); only the zero frameworks run there")
     p.add_argument("--json", default="bench-results/zero_step.json")
     return p.parse_args(argv)
+
+
+def device(args):
+    import torch
+    import torch.distributed as dist
+    return torch.device("cuda", dist.get_rank() % torch.cuda.device_count()) if args.device == "cuda" else \
+        torch.device("cpu")
 
 
 def make_model(args):
@@ -51,7 +61,7 @@ def make_model(args):
     torch.manual_seed(0)
     w = args.width
     return nn.Sequential(*(nn.Sequential(nn.Linear(w, 4 * w), nn.ReLU(), nn.Linear(4 * w, w))
-                           for _ in range(args.layers)))
+                           for _ in range(args.layers))).to(device(args))
 
 
 def ds_config(args, stage: int) -> dict:
@@ -83,7 +93,7 @@ def batch(args, i: int, dtype):
     import torch
     import torch.distributed as dist
     g = torch.Generator().manual_seed(1000 * i + dist.get_rank())
-    return torch.randn(args.batch, args.width, generator=g).to(dtype)
+    return torch.randn(args.batch, args.width, generator=g).to(device(args), dtype)
 
 
 class WireCounter:
@@ -186,6 +196,9 @@ def measure_stage(args, stage: int, frameworks: list[str]) -> dict:
     for framework in frameworks:
         if (framework == "ddp" and stage != 0) or (framework == "fsdp2" and stage != 3):
             continue
+        if args.device == "cuda" and not framework.startswith("zero"):
+            out[framework] = "runs on CPU only in this benchmark"
+            continue
         try:
             steps[framework] = (ddp_step(args) if framework == "ddp" else fsdp2_step(args)
                                 if framework == "fsdp2" else engine_step(args, stage, framework))
@@ -232,7 +245,7 @@ def worker(args) -> None:
             results.setdefault(framework, {})[stage] = value
     if dist.get_rank() == 0:
         params = sum(p.numel() for p in make_model(args).parameters())
-        print(f"zero_step: {dist.get_world_size()} ranks, bf16 MLP {args.layers}x(w={args.width}), "
+        print(f"zero_step: {dist.get_world_size()} ranks on {args.device}, bf16 MLP {args.layers}x(w={args.width}), "
               f"{params / 1e6:.1f} M parameters, micro batch {args.batch}, median of {args.steps} steps")
         print(table(results), flush=True)
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
@@ -243,7 +256,8 @@ def worker(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    return launch(worker, args, nproc=args.nproc, timeout_s=300, deadline_s=1200)
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    return launch(worker, args, nproc=args.nproc, timeout_s=300, deadline_s=1200, backend=backend)
 
 
 if __name__ == "__main__":

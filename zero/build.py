@@ -132,7 +132,8 @@ def build_engine(model: nn.Module, optimizer=None, model_parameters=None, lr_sch
     model.to(dtype)
     params = trainable_params(model)
     optimizer = make_optimizer(optimizer, model_parameters, params, cfg)
-    comm = make_comm(comm_backend or cfg.comm_backend or "ringcomm")
+    device = params[0].device if params else torch.device("cpu")
+    comm = make_comm(comm_backend or cfg.comm_backend or "ringcomm", device)
     comm.overlap = cfg.zero.overlap_comm
     layout, owners = plan_layout(model, params, cfg, world_size)
     buckets = build_buckets(params, layout, rank, comm)

@@ -142,13 +142,16 @@ def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-def make_comm(backend: str) -> Comm:
-    """The engine's collectives over the initialized default process group."""
+def make_comm(backend: str, device: torch.device) -> Comm:
+    """The engine's collectives over the initialized default process group. On
+    a CUDA model, "ringcomm" means the default group's own collectives: run the
+    job on torch.distributed backend "ringcomm" and its CUDA tensors go to NCCL
+    (ringcomm's transports move host memory)."""
     if backend not in BACKENDS:
         raise ValueError(f"comm_backend: {backend!r} is not one of {BACKENDS}")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if world_size == 1:
         return Comm(rank, world_size)
-    if backend == "torch":
+    if backend == "torch" or device.type != "cpu":
         return TorchComm(rank, world_size)
     return RingComm(rank, world_size, ringcomm.default_group())  # ringcomm keeps (and closes) it
