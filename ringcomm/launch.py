@@ -61,15 +61,16 @@ class ThreadLaunch:
         self.end_s = 0.0
         self.work = start(True)
         assert self.work is not None, "an async collective returns a Work"
-        try:
-            future = self.work.get_future()
-        except RuntimeError:  # "Work::getFuture not implemented"
-            future = None
-        if future is not None:
-            future.add_done_callback(self._on_done)
-        self._timed_by_callback = future is not None
+        self._timed_by_callback = True
+        if isinstance(self.work, Work):
+            self.work.add_done_callback(self._on_done)
+        else:  # a torch.distributed Work
+            try:
+                self.work.get_future().add_done_callback(lambda _future: self._on_done())
+            except RuntimeError:  # "Work::getFuture not implemented"
+                self._timed_by_callback = False
 
-    def _on_done(self, _future: object) -> None:
+    def _on_done(self) -> None:
         self.end_s = time.perf_counter()
         self._done.set()
 
@@ -80,7 +81,7 @@ class ThreadLaunch:
             raise RuntimeError(f"{self.what}: not finished within {timeout} s")
         self.work.wait()
         if not self._timed_by_callback and not self._done.is_set():
-            self._on_done(None)
+            self._on_done()
 
     def interval(self) -> tuple[float, float]:
         return max(self.launched_s, self._previous_end()), self.end_s

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Callable
 
 import torch
 
@@ -44,6 +45,11 @@ class Work:
         for future in self._torch_futures:
             future.wait()  # their done callbacks may still be running
         return True
+
+    def add_done_callback(self, callback: Callable[[], None]) -> None:
+        """Calls `callback()` once the collective finished, failed or not (on the
+        comm thread; at once when it already has). Cheaper than get_future()."""
+        self._future.add_done_callback(lambda _done: callback())
 
     def is_completed(self) -> bool:
         return self._future.done()
