@@ -1,7 +1,6 @@
 """Caller mistakes, dead and stalled peers, and shared-memory hygiene."""
 from __future__ import annotations
 
-import glob
 import os
 import signal
 import time
@@ -10,13 +9,9 @@ import pytest
 import torch
 
 import ringcomm
-from harness import run_ranks
+from harness import assert_no_new_shm, run_ranks, shm_entries
 
 TIMEOUT_S = 3.0
-
-
-def shm_segments() -> set[str]:
-    return set(glob.glob("/dev/shm/ringcomm-*"))
 
 
 def check_bad_input(rank, world_size, transport):
@@ -104,10 +99,10 @@ def test_bad_input_raises_clear_errors(transport):
 
 @pytest.mark.parametrize("transport", ["shm", "torch_dist"])
 def test_sigkill_of_a_rank_is_reported_by_every_other_rank(transport):
-    before = shm_segments()
+    before = shm_entries()
     messages = run_ranks(die_during_all_reduce, 3, transport, may_die=frozenset({1}), timeout=60)
     assert messages[1] is None
-    assert shm_segments() <= before, f"segments left behind: {shm_segments() - before}"
+    assert_no_new_shm(before)
 
 
 @pytest.mark.parametrize("transport", ["shm", "torch_dist"])

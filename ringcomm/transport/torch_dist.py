@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from .. import ring, schedule
 from .process import process_state
-from ..ops import LOW_PRECISION, ReduceOp, dtype_code
+from ..ops import ReduceOp, dtype_code
 
 EXPLAIN_WAIT_S = 0.5
 _KINDS = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "broadcast": 4, "barrier": 0}
