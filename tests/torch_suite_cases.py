@@ -10,6 +10,11 @@ test (TORCH_SUITE_BACKEND), which every process group the suite creates by name
 reads at run time: the default group, the group of test_barrier_timeout_global,
 and the name test_get_backend expects from dist.get_backend(). Subgroups made by
 dist.new_group() inherit the default group's backend.
+At run time the suite gates on the name in three ways: one helper picks its
+model by `BACKEND == "gloo"` (run gated as gloo, below); profiler events named
+"<backend>:<op>" are checked only for backends in its PROFILING_SUPPORTED_BACKENDS
+lists, and DDP's gloo logging fields only for gloo. ringcomm records no such
+events, so on ringcomm those tests check results but not profiler events.
 """
 from __future__ import annotations
 
