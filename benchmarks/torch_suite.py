@@ -28,6 +28,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("-w", "--world-sizes", type=int, nargs="+", default=list(WORLD_SIZES))
     parser.add_argument("-k", "--keyword", help="pytest -k expression selecting tests by name")
     parser.add_argument("--test-timeout", type=int, default=TEST_TIMEOUT_S, help="seconds per test, all ranks")
+    parser.add_argument("--profiler-events", action="store_true",
+                        help="check the profiler events '<backend>:<op>' on ringcomm too (the suite does on gloo)")
     parser.add_argument("--json", help="write the outcomes of every test here")
     args = parser.parse_args(argv)
     if any(ws < 2 for ws in args.world_sizes):
@@ -85,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     for world_size in args.world_sizes:
         for backend in BACKENDS:
             runs[backend, world_size] = run = run_suite(backend, world_size, keyword=args.keyword,
-                                                        test_timeout_s=args.test_timeout)
+                                                        test_timeout_s=args.test_timeout,
+                                                        profiler_events=args.profiler_events)
             print(f"{backend} world_size {world_size}: {counts(run)} in {run.wall_s:.0f} s", file=sys.stderr)
     rows = [row for ws in args.world_sizes for row in gloo_only_passes(runs["gloo", ws], runs["ringcomm", ws])]
     print_table(runs)

@@ -83,9 +83,10 @@ def expected_failure(name: str, outcome: Outcome) -> ExpectedFailure | None:
 
 
 def run_suite(backend: str, world_size: int, *, tests: Sequence[str] = (), keyword: str | None = None,
-              test_timeout_s: int = TEST_TIMEOUT_S) -> SuiteRun:
+              test_timeout_s: int = TEST_TIMEOUT_S, profiler_events: bool = False) -> SuiteRun:
     """Runs the suite's tests named in `tests` (all when empty), narrowed by a
-    pytest -k `keyword`, on `backend` with `world_size` ranks."""
+    pytest -k `keyword`, on `backend` with `world_size` ranks; `profiler_events`:
+    the suite checks "<backend>:<op>" profiler events on ringcomm as on gloo."""
     if backend not in BACKENDS:
         raise ValueError(f"run_suite: backend {backend!r} is not one of {BACKENDS}")
     with tempfile.TemporaryDirectory(prefix="torch-suite-") as tmp:
@@ -96,7 +97,7 @@ def run_suite(backend: str, world_size: int, *, tests: Sequence[str] = (), keywo
         env = {**os.environ, "TORCH_SUITE_BACKEND": backend, "WORLD_SIZE": str(world_size),
                "INIT_METHOD": f"file://{os.path.join(tmp, 'shared_init_file')}",
                "DISTRIBUTED_TESTS_DEFAULT_TIMEOUT": str(test_timeout_s),
-               "PYTORCH_PRINT_REPRO_ON_FAILURE": "0"}
+               "PYTORCH_PRINT_REPRO_ON_FAILURE": "0", "TORCH_SUITE_PROFILER_EVENTS": str(int(profiler_events))}
         start = time.monotonic()
         result = subprocess.run(command, env=env, cwd=tmp, capture_output=True, text=True)
         wall_s = time.monotonic() - start

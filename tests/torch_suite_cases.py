@@ -14,7 +14,9 @@ At run time the suite gates on the name in three ways: one helper picks its
 model by `BACKEND == "gloo"` (run gated as gloo, below); profiler events named
 "<backend>:<op>" are checked only for backends in its PROFILING_SUPPORTED_BACKENDS
 lists, and DDP's gloo logging fields only for gloo. ringcomm records no such
-events, so on ringcomm those tests check results but not profiler events.
+events, so on ringcomm those tests check results but not profiler events;
+TORCH_SUITE_PROFILER_EVENTS=1 checks them too (and then a missing event fails
+the test before its results are checked).
 """
 from __future__ import annotations
 
@@ -39,6 +41,10 @@ from torch.testing._internal.distributed import distributed_test as suite  # noq
 from ringcomm.process_group import ProcessGroupRingcomm  # noqa: E402  (import ringcomm registers "ringcomm")
 
 suite.BACKEND = BACKEND_UNDER_TEST
+if os.environ.get("TORCH_SUITE_PROFILER_EVENTS") == "1":
+    for profiled in (suite.PROFILING_SUPPORTED_BACKENDS, suite.SEND_RECV_PROFILING_SUPPORTED_BACKENDS):
+        if BACKEND_UNDER_TEST not in profiled:
+            profiled.append(BACKEND_UNDER_TEST)
 
 
 @contextmanager
@@ -49,6 +55,10 @@ def gated_as_gloo() -> Iterator[None]:
         yield
     finally:
         suite.BACKEND = BACKEND_UNDER_TEST
+if os.environ.get("TORCH_SUITE_PROFILER_EVENTS") == "1":
+    for profiled in (suite.PROFILING_SUPPORTED_BACKENDS, suite.SEND_RECV_PROFILING_SUPPORTED_BACKENDS):
+        if BACKEND_UNDER_TEST not in profiled:
+            profiled.append(BACKEND_UNDER_TEST)
 
 
 class TestTorchSuite(suite.TestDistBackend, suite.DistributedTest._DistTestBase):
