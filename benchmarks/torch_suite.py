@@ -20,7 +20,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
-from torch_suite import BACKENDS, TEST_TIMEOUT_S, WORLD_SIZES, Status, SuiteRun, expected_failure, run_suite  # noqa: E402
+from torch_suite import (BACKENDS, TEST_TIMEOUT_S, WORLD_SIZES, Status, SuiteRun, expected_failure,  # noqa: E402
+                         run_suite)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -1,7 +1,8 @@
 """A representative part of PyTorch's own distributed test suite on the
 "ringcomm" backend (tests/torch_suite.py): every selected test passes, or is an
 expected failure with its reason. benchmarks/torch_suite.py runs all of it, on
-gloo and ringcomm side by side."""
+gloo and ringcomm side by side. The suite has no CPU reduce-scatter test;
+tests/test_backend.py has them."""
 from __future__ import annotations
 
 import pytest
@@ -17,9 +18,10 @@ COLLECTIVES = [
     "test_reduce_sum", "test_gather", "test_scatter",
 ]
 DDP = [
-    "test_DistributedDataParallelCPU", "test_DistributedDataParallelCPU_grad_is_view", "test_accumulate_gradients_no_sync",
-    "test_accumulate_gradients_no_sync_allreduce_with_then_hook", "test_ddp_create_graph", "test_static_graph_api_cpu",
-    "test_ddp_logging_data_cpu", "test_grads_same_across_ranks_with_no_sync",
+    "test_DistributedDataParallelCPU", "test_DistributedDataParallelCPU_grad_is_view",
+    "test_accumulate_gradients_no_sync", "test_accumulate_gradients_no_sync_allreduce_with_then_hook",
+    "test_ddp_create_graph", "test_static_graph_api_cpu", "test_ddp_logging_data_cpu",
+    "test_grads_same_across_ranks_with_no_sync",
 ]
 GROUPS = ["test_backend_under_test", "test_get_backend", "test_destroy_group", "test_get_rank_size_group",
           "test_all_gather_object_subgroup"]
@@ -63,6 +65,7 @@ def test_error_line_names_the_first_failed_rank_error() -> None:
         "E   Process 0 exited with error code 10 and exception:",
         "E   ValueError: rank 0",
     ])
-    assert error_line(report, "RuntimeError: Process 1 exited") == "AssertionError: ' timeout ' does not match 'barrier: timed out after 1 s'"
+    assert error_line(report, "RuntimeError: Process 1 exited") == (
+        "AssertionError: ' timeout ' does not match 'barrier: timed out after 1 s'")
     assert error_line("", "RuntimeError: Process 0 terminated or timed out after 120 seconds\nmore") == (
         "RuntimeError: Process 0 terminated or timed out after 120 seconds")
