@@ -3,7 +3,7 @@ DistributedTest._DistTestBase from the torch wheel) on gloo and on ringcomm, sid
 by side: passed, failed and skipped per world size, and every test that passes
 on gloo but not on ringcomm, with its error's first line.
 
-    python benchmarks/torch_suite.py                          # world sizes 2 and 3 (~7 min on 2 cores)
+    python benchmarks/torch_suite.py                          # world sizes 2 and 3 (5-7 min on 2 cores)
     python benchmarks/torch_suite.py -w 3 -k "all_reduce or DistributedDataParallel" --json out.json
     python benchmarks/torch_suite.py -w 8 -k group             # the suite's subgroup tests need 8 ranks
 
