@@ -59,18 +59,11 @@ _MONITORED_BARRIER = ExpectedFailure(
     "monitored_barrier is only implemented for GLOO backend",
     "dist.monitored_barrier() accepts only groups whose backend is named 'gloo'; group.monitored_barrier() "
     "on a ringcomm group runs on its internal gloo (test_monitored_barrier_gloo_rank_0_timeout passes)")
-_TIMEOUT_WORDING = ExpectedFailure(
-    "does not match \"barrier: rank 0",
-    "the barrier times out at the group's timeout as on gloo, but ringcomm's error says '... timed out after "
-    "N s' and the test matches gloo's wording ' (Timed out|closed|timeout) '")
 EXPECTED_FAILURES: dict[str, ExpectedFailure] = {
     "test_monitored_barrier_gloo": _MONITORED_BARRIER,
     "test_monitored_barrier_gloo_subgroup": _MONITORED_BARRIER,
     "test_monitored_barrier_failure_order": _MONITORED_BARRIER,
     "test_monitored_barrier_wait_all_ranks": _MONITORED_BARRIER,
-    "test_barrier_timeout_full_group": _TIMEOUT_WORDING,
-    "test_barrier_timeout_global": _TIMEOUT_WORDING,
-    "test_barrier_timeout_group": _TIMEOUT_WORDING,
 }
 
 
