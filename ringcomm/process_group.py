@@ -202,7 +202,9 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         return self._group.transport
 
     def _accelerates(self, tensors: Sequence[torch.Tensor], *, strided: bool = False) -> bool:
-        return accelerates(tensors, self._transport.supports, strided=strided)
+        """Dense tensors only: sparse ones go to gloo, which reduces them as sparse."""
+        return (all(t.layout == torch.strided for t in tensors)
+                and accelerates(tensors, self._transport.supports, strided=strided))
 
     def _accelerates_pairs(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> bool:
         return (len(outputs) == len(inputs) and self._accelerates(outputs + inputs)

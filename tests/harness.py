@@ -3,6 +3,7 @@ file-based rendezvous. The first failing rank fails the call with every rank's
 traceback; a deadline kills ranks that hang."""
 from __future__ import annotations
 
+import glob
 import multiprocessing as mp
 import os
 import signal
@@ -90,3 +91,19 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 120.0, env:
         report = "\n".join(f"--- rank {r}: {status}\n{detail}" for r, (status, detail) in failures.items())
         raise AssertionError(f"{len(failures)} of {world_size} ranks failed running {fn.__name__}:\n{report}")
     return [results[r][1] if results[r][0] == "ok" else None for r in range(world_size)]
+
+
+def shm_entries() -> set[str]:
+    """ringcomm's names in /dev/shm now."""
+    return set(glob.glob("/dev/shm/ringcomm-*"))
+
+
+def assert_no_new_shm(before: set[str], grace_s: float = 3.0) -> None:
+    """Nothing was left in /dev/shm since `before`. Names live there only during
+    a group's set-up, so a name that goes within `grace_s` belongs to a set-up
+    still running elsewhere on this host (another test run), not to a leak."""
+    deadline = time.monotonic() + grace_s
+    while shm_entries() - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = shm_entries() - before
+    assert not left, f"left in /dev/shm: {left}"

@@ -7,7 +7,6 @@ caller can learn the result (the call, Work.wait / is_success / exception,
 the future), and nothing may be left behind in /dev/shm."""
 from __future__ import annotations
 
-import glob
 import os
 import signal
 import threading
@@ -19,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import ringcomm
-from harness import run_ranks
+from harness import assert_no_new_shm, run_ranks, shm_entries
 from torch.distributed.distributed_c10d import AllgatherOptions
 
 from ringcomm.group import GroupOptions
@@ -29,10 +28,6 @@ TIMEOUT_S = 1.0
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier")
 MODES = ("inline", "comm_thread", "backend_inline", "backend_thread")
 NUMEL = 1 << 20  # 4 MiB of float32: several segments, so a killed peer dies mid-op
-
-
-def shm_entries() -> set[str]:
-    return set(glob.glob("/dev/shm/ringcomm-*"))
 
 
 # ---- one collective through each path ----------------------------------------------------------------------
@@ -155,7 +150,7 @@ def _wait_stopped(pid: int) -> None:
 def test_stopped_peer_fails_every_op_in_every_mode(transport):
     before = shm_entries()
     run_ranks(stop_peer_every_op, 2, transport, env={"RINGCOMM_TRANSPORT": transport}, timeout=240)
-    assert shm_entries() <= before, f"left in /dev/shm: {shm_entries() - before}"
+    assert_no_new_shm(before)
 
 
 # ---- SIGKILL: rank 0 against one victim per case (global ranks 1..5), mid-op ---------------------------------
@@ -195,7 +190,7 @@ def test_killed_peer_fails_every_op(transport):
     victims = frozenset(range(1, len(KILL_CASES) + 1))
     run_ranks(kill_peer_every_op, len(KILL_CASES) + 1, transport, KILL_CASES, env={"RINGCOMM_TRANSPORT": transport},
               may_die=victims, timeout=240)
-    assert shm_entries() <= before, f"left in /dev/shm: {shm_entries() - before}"
+    assert_no_new_shm(before)
 
 
 # ---- training steps: DDP and the ZeRO engine on the backend, a peer killed during backward ------------------
@@ -255,4 +250,4 @@ def test_killed_peer_during_training_step(trainer, async_mode):
     before = shm_entries()
     env = {"RINGCOMM_ASYNC": async_mode, "RINGCOMM_TIMEOUT": str(TIMEOUT_S)}
     run_ranks(kill_during_training, 2, trainer, async_mode, env=env, may_die=frozenset({1}), timeout=120)
-    assert shm_entries() <= before, f"left in /dev/shm: {shm_entries() - before}"
+    assert_no_new_shm(before)

@@ -169,7 +169,7 @@ void ShmComm::wait_for(int peer, FlagKind kind, uint64_t target, const StepInfo&
     }
     if (now >= step.deadline) {
       std::ostringstream message;
-      message << where.str() << ": timed out after " << step.timeout_s << " s";
+      message << where.str() << ": Timed out after " << step.timeout_s << " s";  // torch and gloo say "Timed out"
       fail(message.str());
     }
   }

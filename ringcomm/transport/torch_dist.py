@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -13,8 +14,9 @@ import torch.distributed as dist
 
 from .. import ring, schedule
 from .process import process_state
-from ..ops import LOW_PRECISION, ReduceOp, dtype_code
+from ..ops import ReduceOp, dtype_code
 
+EXPLAIN_WAIT_S = 0.5
 _KINDS = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "broadcast": 4, "barrier": 0}
 
 
@@ -84,25 +86,37 @@ class _Diagnosis:
             store.set(f"proc/{rank}", f"{self.host}:{os.getpid()}")
 
     def explain(self, message: str) -> str:
+        """Notes naming the peers behind a failure. A killed peer's sockets close
+        while the kernel is still tearing it down, so its state is polled for a
+        moment (EXPLAIN_WAIT_S) before nothing is said of it."""
         if self.store is None:
             return ""
-        notes = []
         try:
             self.store.set(f"failure/{self.rank}", message)
-            for peer in range(self.world_size):
-                if peer == self.rank:
-                    continue
-                host, pid = self.store.get(f"proc/{peer}").decode().rsplit(":", 1)
-                state = process_state(int(pid)) if host == self.host else None
-                if state == "exited":
-                    notes.append(f"rank {peer} (pid {pid}) has exited")
-                elif self.store.check([f"failure/{peer}"]):
-                    notes.append(f"rank {peer} reported: {self.store.get(f'failure/{peer}').decode()}")
-                elif state == "stopped":
-                    notes.append(f"rank {peer} (pid {pid}) is stopped")
+            deadline = time.monotonic() + EXPLAIN_WAIT_S
+            while True:
+                notes = self._notes()
+                if notes or time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
         except Exception as err:  # the store may have died with its host rank
-            notes.append(f"(store unreachable: {err})")
+            notes = [f"(store unreachable: {err})"]
         return "; " + "; ".join(notes) if notes else ""
+
+    def _notes(self) -> list[str]:
+        notes = []
+        for peer in range(self.world_size):
+            if peer == self.rank:
+                continue
+            host, pid = self.store.get(f"proc/{peer}").decode().rsplit(":", 1)
+            state = process_state(int(pid)) if host == self.host else None
+            if state == "exited":
+                notes.append(f"rank {peer} (pid {pid}) has exited")
+            elif self.store.check([f"failure/{peer}"]):
+                notes.append(f"rank {peer} reported: {self.store.get(f'failure/{peer}').decode()}")
+            elif state == "stopped":
+                notes.append(f"rank {peer} (pid {pid}) is stopped")
+        return notes
 
 
 class TorchDistTransport:
