@@ -22,17 +22,12 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bus_bw import parse_size  # noqa: E402
 from launch import launch  # noqa: E402
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 REFERENCE = {"cuda": "nccl", "cpu": "gloo"}
 BUS_FACTOR = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0}
-
-
-def parse_size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper().rstrip("B")
-    return int(float(text[:-1]) * units[text[-1]]) if text and text[-1] in units else int(text)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

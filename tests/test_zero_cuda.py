@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from harness import run_ranks
-from test_zero_parity import TOLERANCE, check_fp32_elements
+from test_zero_parity import compare_with_reference
 from zero_reference import CLIP, DTYPES, MICRO, STEPS, engine_config, loss_fn, make_batch, make_model, reference_train
 
 import zero
@@ -108,23 +108,6 @@ def train_on_device(rank: int, world_size: int, device: torch.device, kind: str,
     return losses, [p.cpu() for p in engine.full_params_fp32()]
 
 
-def compare(case: str, kind: str, dtype_name: str, losses: list[float], params: list[torch.Tensor],
-            reference: tuple[list[float], list[torch.Tensor]]) -> None:
-    """test_zero_parity.py's checks and tolerances."""
-    ref_losses, ref_params = reference
-    loss_rtol, update_rtol = TOLERANCE[dtype_name]
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=loss_rtol, atol=loss_rtol,
-                               msg=lambda m: f"{case}: losses {losses} vs reference {ref_losses}: {m}")
-    initial = [p.detach().float() for p in make_model(kind).to(DTYPES[dtype_name]).parameters()]
-    for i, (p, r, p0) in enumerate(zip(params, ref_params, initial, strict=True)):
-        if update_rtol is None:
-            check_fp32_elements(p, r, p0, f"{case}: parameter {i}")
-            continue
-        error, update = float((p - r).norm()), float((r - p0).norm())
-        assert error <= update_rtol * update + 1e-6, f"{case}: parameter {i}: |p - ref| {error:.3g} > " \
-                                                     f"{update_rtol} * |ref - initial| {update:.3g}"
-
-
 def cuda_parity_worker(rank: int, world_size: int, backend: str, init_file: str) -> None:
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
@@ -141,7 +124,7 @@ def cuda_parity_worker(rank: int, world_size: int, backend: str, init_file: str)
                            f"accumulation {accumulation} {backend}"
                     losses, params = train_on_device(rank, world_size, device, kind, stage, dtype_name,
                                                      accumulation, backend, case)
-                    compare(case, kind, dtype_name, losses, params, references[key])
+                    compare_with_reference(case, kind, dtype_name, losses, params, references[key])
 
 
 @needs_cuda

@@ -59,13 +59,19 @@ def check_case(rank: int, world_size: int, kind: str, stage: int, dtype_name: st
     key = (kind, dtype_name, MICRO * accumulation * world_size)
     if key not in reference:
         reference[key] = reference_train(kind, DTYPES[dtype_name], key[2])
-    ref_losses, ref_params = reference[key]
     losses, params, _ = engine_train(rank, world_size, kind, stage, dtype_name, accumulation, backend)
+    compare_with_reference(case, kind, dtype_name, losses, params, reference[key])
+
+
+def compare_with_reference(case: str, kind: str, dtype_name: str, losses: list[float], params: list[torch.Tensor],
+                           reference: tuple[list[float], list[torch.Tensor]]) -> None:
+    """Losses and final fp32 parameters against reference_train's, with TOLERANCE."""
+    ref_losses, ref_params = reference
     loss_rtol, update_rtol = TOLERANCE[dtype_name]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=loss_rtol, atol=loss_rtol,
                                msg=lambda m: f"{case}: losses {losses} vs reference {ref_losses}: {m}")
     initial = [p.detach().float() for p in make_model(kind).to(DTYPES[dtype_name]).parameters()]
-    for i, (p, r, p0) in enumerate(zip(params, ref_params, initial)):
+    for i, (p, r, p0) in enumerate(zip(params, ref_params, initial, strict=True)):
         if update_rtol is None:
             check_fp32_elements(p, r, p0, f"{case}: parameter {i}")
             continue
