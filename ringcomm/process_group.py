@@ -248,3 +248,6 @@ def register_backend() -> None:
     """Registers "ringcomm" with torch.distributed (idempotent); import ringcomm does it."""
     if dist.is_available() and BACKEND_NAME.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND_NAME, create_backend, devices=["cpu", "cuda"])
+
+
+register_backend()  # on import: `import ringcomm` makes dist.init_process_group("ringcomm") work

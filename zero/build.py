@@ -124,7 +124,7 @@ def build_engine(model: nn.Module, optimizer=None, model_parameters=None, lr_sch
     rank, world_size = dist.get_rank(), dist.get_world_size()
     cfg = config_mod.parse(config if config is not None else {}, model_facts(model, world_size, args))
     for note in cfg.not_implemented:
-        message = f"zero: {note} is parsed and validated but not implemented yet (a later issue); ignored"
+        message = f"zero: {note} is parsed and validated but not implemented yet; ignored"
         warnings.warn(message, stacklevel=3)
         if rank == 0:
             log.warning(message)
