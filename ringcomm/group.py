@@ -161,6 +161,11 @@ def create_group(store: dist.Store, rank: int, world_size: int, *, options: Grou
         pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world_size,
                                    timedelta(seconds=options.timeout_s))
         transport = TorchDistTransport(pg, options.timeout_s, options.torch_dist, dist.PrefixStore("torch_dist/", store))
+        try:
+            _wait_for_all(store, "torch_dist/ready", rank, world_size, options.timeout_s)
+        except RuntimeError:
+            pg.shutdown()
+            raise
     return Group(transport, global_ranks or tuple(range(world_size)), owned_pg=pg)
 
 

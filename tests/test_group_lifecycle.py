@@ -4,6 +4,7 @@ is refused, and a peer that never arrives fails set-up within the timeout."""
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from datetime import timedelta
@@ -105,3 +106,24 @@ def peer_never_arrives(rank, world_size, transport):
 @pytest.mark.parametrize("transport", ["shm", "torch_dist"])
 def test_setup_without_a_peer_fails_within_the_timeout(transport):
     run_ranks(peer_never_arrives, 2, transport)
+
+
+def peer_dies_in_gloo_setup(rank, world_size):
+    """Rank 1 is killed right after it built the gloo group of a torch_dist ringcomm group."""
+    if rank == 1:
+        real = dist.ProcessGroupGloo
+
+        def build_then_die(*args, **kwargs):
+            real(*args, **kwargs)
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.ProcessGroupGloo = dist.distributed_c10d.ProcessGroupGloo = build_then_die  # this process only
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        ringcomm.new_group(transport="torch_dist", timeout=2)
+    elapsed = time.monotonic() - start
+    assert elapsed < 4.0, f"set-up took {elapsed:.1f} s to fail with timeout 2 s: {info.value}"
+    assert "[1]" in str(info.value), f"the dead rank is not named: {info.value}"
+
+
+def test_peer_killed_during_setup_fails_within_the_timeout():
+    run_ranks(peer_dies_in_gloo_setup, 2, may_die=frozenset({1}))
