@@ -69,7 +69,10 @@ class JoinedWork(dist.Work):
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         for work in self._works:
-            work.wait(timeout) if timeout else work.wait()
+            if timeout:
+                work.wait(timeout)
+            else:
+                work.wait()
         self._future.wait()  # raises the first failure
         return True
 

@@ -15,12 +15,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .transport import rendezvous
 from .transport.base import Transport
 from .transport.shm import ShmOptions, ShmTransport
 from .transport.torch_dist import TorchDistOptions, TorchDistTransport
 from .work import Work
 
 TRANSPORTS = ("auto", "shm", "torch_dist")
+SETUP = "ringcomm group set-up"  # how set-up waits name themselves in errors
 DEFAULT_TIMEOUT_S = 300.0
 
 
@@ -136,10 +138,6 @@ class Group:
             self._owned_pg.shutdown()
             self._owned_pg = None
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def __repr__(self) -> str:
         state = ", closed" if self._closed else ""
         return (f"ringcomm.Group(rank={self.rank}, world_size={self.world_size}, "
@@ -151,38 +149,25 @@ def create_group(store: dist.Store, rank: int, world_size: int, *, options: Grou
     """Collective over the group's ranks: builds the transport, rendezvousing through
     `store` (a store private to this group). A torch_dist transport rides on a
     gloo group made on `store`, owned (and shut down) by the group."""
-    kind = resolve_transport(store, rank, world_size, options.transport)
+    kind = resolve_transport(store, rank, world_size, options.transport, options.timeout_s)
     pg = None
     if kind == "shm":
         transport: Transport = ShmTransport.create(dist.PrefixStore("shm/", store), rank, world_size, options.timeout_s,
                                                    options.shm)
     else:
-        _wait_for_all(store, "torch_dist/arrived", rank, world_size, options.timeout_s)
+        rendezvous.check_in(store, "torch_dist/arrived", rank, world_size, options.timeout_s, SETUP)
         pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world_size,
                                    timedelta(seconds=options.timeout_s))
         transport = TorchDistTransport(pg, options.timeout_s, options.torch_dist, dist.PrefixStore("torch_dist/", store))
         try:
-            _wait_for_all(store, "torch_dist/ready", rank, world_size, options.timeout_s)
+            rendezvous.check_in(store, "torch_dist/ready", rank, world_size, options.timeout_s, SETUP)
         except RuntimeError:
             pg.shutdown()
             raise
     return Group(transport, global_ranks or tuple(range(world_size)), owned_pg=pg)
 
 
-def _wait_for_all(store: dist.Store, prefix: str, rank: int, world_size: int, timeout_s: float) -> None:
-    """Every rank checks in under `prefix`; raises naming the ranks that did not
-    within `timeout_s` (gloo's own connect takes longer to give up, and names none)."""
-    store.set(f"{prefix}/{rank}", "1")
-    keys = [f"{prefix}/{r}" for r in range(world_size)]
-    try:
-        store.wait(keys, timedelta(seconds=timeout_s))
-    except Exception as err:  # the store raises its own error type on timeout
-        missing = [r for r, key in enumerate(keys) if not store.check([key])]
-        raise RuntimeError(f"ringcomm group set-up: rank {rank} waited {timeout_s} s for ranks {missing} "
-                           f"(of {world_size}) to create the group; they did not ({err})") from err
-
-
-def resolve_transport(store: dist.Store, rank: int, world_size: int, requested: str) -> str:
+def resolve_transport(store: dist.Store, rank: int, world_size: int, requested: str, timeout_s: float) -> str:
     """`RINGCOMM_TRANSPORT` wins over `requested`; "auto" is shm when every rank
     is on this host (same host name), torch_dist otherwise."""
     kind = os.environ.get("RINGCOMM_TRANSPORT", requested)
@@ -191,6 +176,8 @@ def resolve_transport(store: dist.Store, rank: int, world_size: int, requested: 
     if kind != "auto":
         return kind
     store.set(f"host/{rank}", socket.gethostname())
+    rendezvous.wait_for(store, [f"host/{r}" for r in range(world_size)], timeout_s,
+                        f"{SETUP}: rank {rank} waiting for every rank's host name")
     hosts = {store.get(f"host/{r}").decode() for r in range(world_size)}
     return "shm" if len(hosts) == 1 else "torch_dist"
 
@@ -232,12 +219,8 @@ def _check_members(store: dist.Store, rank: int, members: tuple[int, ...], timeo
     if rank == 0:
         store.set("members", repr(members))
         return
-    try:
-        store.wait(["members"], timedelta(seconds=timeout_s))
-    except Exception as err:  # the store raises its own error type on timeout
-        raise RuntimeError(f"ringcomm.new_group: rank {members[rank]} waited {timeout_s} s for global rank "
-                           f"{members[0]} to create group {members}: {err}") from err
-    theirs = store.get("members").decode()
+    what = f"ringcomm.new_group: global rank {members[rank]} waiting for global rank {members[0]} to create group {members}"
+    theirs = rendezvous.get(store, "members", timeout_s, what).decode()
     if theirs != repr(members):
         raise ValueError(f"ringcomm.new_group: global rank {members[rank]} called it with ranks {members}, global rank "
                          f"{members[0]} with {theirs}: every rank must create the same groups in the same order")

@@ -101,3 +101,26 @@ def test_overlap_rules():
     assert aliasing.reduce_scatter_input(own, buffer[0:40], rank=1).data_ptr() != buffer.data_ptr()
     assert aliasing.all_gather_input(buffer[0:40], own, rank=2).data_ptr() == own.data_ptr()
     assert aliasing.all_gather_input(buffer[0:40], buffer[15:25], rank=1).data_ptr() != buffer[15:25].data_ptr()
+
+
+def test_coalesced_inputs_copy_exactly_the_overlapping_ones():
+    """Against the pairwise definition, on random pairs carved out of one buffer."""
+    buffer = torch.zeros(400)
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        num_pairs = int(torch.randint(1, 6, (1,), generator=gen))
+        outputs, inputs = [], []
+        for _ in range(num_pairs):
+            n = int(torch.randint(0, 20, (1,), generator=gen))
+            o = int(torch.randint(0, 400 - 2 * n + 1, (1,), generator=gen))
+            i = int(torch.randint(0, 400 - n + 1, (1,), generator=gen))
+            outputs.append(buffer[o:o + 2 * n])
+            inputs.append(buffer[i:i + n])
+        got = aliasing.coalesced_inputs(outputs, inputs, rank=0, gather=True)
+        for k, (output, input) in enumerate(zip(outputs, inputs)):
+            own = aliasing.all_gather_input(output, input, 0)
+            expect_copy = own is not input or any(aliasing.overlaps(input, other)
+                                                  for j, other in enumerate(outputs) if j != k)
+            copied = got[k] is not input
+            assert copied == expect_copy, f"trial {trial} pair {k}: copied={copied}, expected {expect_copy}"
+            assert torch.equal(got[k], input), f"trial {trial} pair {k}: the input's values changed"

@@ -306,16 +306,16 @@ def kill_rank0_when_announcing(rank, world_size, key_prefix, announce_first):
     under `key_prefix` ("shm/name": the group's; "window/": its window), after
     or before announcing it, once every other rank waits in ringcomm's set-up
     (so past torch.distributed's own group set-up, which a death breaks too)."""
-    from ringcomm.transport import shm
+    from ringcomm.transport import rendezvous, shm
 
     if rank != 0:
-        get = shm._get
+        get = rendezvous.get
 
         def signal_and_get(store, key, timeout_s, what):
             store.set(f"test/waiting/{rank}", "1")
             return get(store, key, timeout_s, what)
 
-        shm._get = signal_and_get
+        rendezvous.get = signal_and_get
         return
     publish = shm._publish
 

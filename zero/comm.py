@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import ringcomm
+from ringcomm.work import completed_future
 
 from .partition import wire_numel
 
@@ -28,9 +29,7 @@ class _Done:
         return True
 
     def get_future(self) -> torch.futures.Future:
-        future: torch.futures.Future = torch.futures.Future()
-        future.set_result(None)
-        return future
+        return completed_future(None)
 
 
 class Comm:

@@ -13,12 +13,12 @@ import os
 import time
 import weakref
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from .. import _C
+from . import rendezvous
 from .shm_names import expiry_of, new_name, remove_stale_segments
 from ..ops import DTYPE_CODES, ReduceOp
 
@@ -55,16 +55,18 @@ class ShmTransport:
             name = new_name(timeout_s)
             comm = _C.ShmComm(name, *args, create=True)
         else:
-            name = _get(store, "shm/name", timeout_s, f"shm: rank {rank} waiting for rank 0 to create the segment").decode()
+            what = f"shm: rank {rank} waiting for rank 0 to create the segment"
+            name = rendezvous.get(store, "shm/name", timeout_s, what).decode()
             _check_name(name, rank, 0)
         try:
             if rank == 0:
                 _publish(store, "shm/name", name)
-                _wait_attached(store, "shm/attached", world_size, timeout_s)
+                rendezvous.check_in(store, "shm/attached", rank, world_size, timeout_s,
+                                    f"shm: rank {rank} waiting for the ranks to map segment {name}")
                 _C.ShmComm.unlink(name)  # every rank mapped it: the name has done its job
             else:
                 comm = _C.ShmComm(name, *args, create=False)
-                store.set(f"shm/attached/{rank}", "1")
+                rendezvous.check_in(store, "shm/attached", rank, world_size, timeout_s, "shm", waiting=False)
             _confirm_setup(comm, "new_group", timeout_s)
         finally:
             _C.ShmComm.unlink(name)
@@ -103,7 +105,8 @@ class ShmTransport:
     def _map_window_of(self, peer: int, window_id: int, deadline: float, names: list[str]) -> _C.ShmWindow:
         """Maps `peer`'s window `window_id` once announced; appends its name to `names`."""
         what = f"empty: rank {self.rank} waiting for rank {peer} to allocate (every rank must call it)"
-        name, _, nbytes = _get(self._store, f"window/{window_id}/{peer}", _left(deadline), what).decode().partition(" ")
+        name, _, nbytes = rendezvous.get(self._store, f"window/{window_id}/{peer}", _left(deadline),
+                                         what).decode().partition(" ")
         _check_name(name, self.rank, peer)
         names.append(name)
         if not nbytes.isdigit():
@@ -162,28 +165,8 @@ def _confirm_setup(comm: _C.ShmComm, op: str, timeout_s: float) -> None:
         raise RuntimeError(f"{op}: rank {comm.rank}: shared-memory set-up failed: {err}") from err
 
 
-def _get(store: dist.Store, key: str, timeout_s: float, what: str) -> bytes:
-    try:
-        store.wait([key], timedelta(seconds=timeout_s))
-    except Exception as err:  # the store raises its own error type on timeout
-        raise RuntimeError(f"{what}: no answer within {timeout_s} s ({err})") from err
-    return store.get(key)
-
-
 def _forget_window(transport_ref: weakref.ref, window_id: int, peers: dict) -> None:
     transport = transport_ref()
     if transport is not None and transport._comm is not None:
         transport._comm.unregister_window(window_id)
     peers.clear()
-
-
-def _wait_attached(store: dist.Store, prefix: str, world_size: int, timeout_s: float) -> None:
-    keys = [f"{prefix}/{r}" for r in range(1, world_size)]
-    deadline = time.monotonic() + timeout_s
-    while True:
-        missing = [int(k.rsplit("/", 1)[1]) for k in keys if not store.check([k])]
-        if not missing:
-            return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"shm: timed out after {timeout_s} s waiting for ranks {missing} to map a segment ({prefix})")
-        time.sleep(0.001)
