@@ -13,7 +13,7 @@ from ringcomm.layout import BufferLayout, plan_buckets, plan_module_buckets
 
 from . import config as config_mod
 from . import optim
-from .comm import make_comm
+from .backend import make_comm
 from .engine import EngineParts, ZeroEngine
 from .gather import ModuleGatherer
 from .param_group import ParamGroup, build_buckets

@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_map
 
 from . import checkpoint
 from .accounting import MemoryReport, memory_report
-from .comm import Comm
+from .backend import Comm
 from .config import EngineConfig
 from .gather import ModuleGatherer
 from .param_group import ParamGroup

@@ -26,7 +26,7 @@ from ringcomm.layout import BufferLayout
 from ringcomm.overlap import BucketScheduler
 from ringcomm.schedule import Span
 
-from .comm import Comm, Handle
+from .backend import Comm, Handle
 from .partition import ShardingPolicy
 
 
