@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import config as config_mod
+
 
 def is_partitioned(param: torch.Tensor) -> bool:
     """Sharded by Init and not yet taken over by an engine."""
@@ -73,6 +75,18 @@ def attach(group) -> None:
             param.ds_bucket = (group, bucket)
 
 
+def _config_dtype(config) -> torch.dtype | None:
+    """The training dtype a DeepSpeed config names (the shards are kept in it, as DeepSpeed's Init does)."""
+    if config is None:
+        return None
+    raw = config_mod.load(config)
+    if raw.get("bf16", {}).get("enabled") is True:
+        return torch.bfloat16
+    if raw.get("fp16", {}).get("enabled") is True:
+        return torch.float16
+    return None
+
+
 def _all_subclasses(cls: type) -> list[type]:
     out, stack = [], [cls]
     while stack:
@@ -97,7 +111,7 @@ class Init:
         if remote_device not in (None, "none", "cpu"):
             raise ValueError(f"zero.Init: remote_device {remote_device!r} is not supported")
         self.enabled = enabled
-        self.dtype = dtype
+        self.dtype = dtype if dtype is not None else _config_dtype(config_dict_or_path or config)
         self._building: set[int] = set()  # ids of modules inside their outermost __init__
         self._originals: dict[type, object] = {}
         self._had_init_subclass = False

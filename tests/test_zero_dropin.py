@@ -1,0 +1,199 @@
+"""The DeepSpeed drop-in: tests/dropin_script.py runs on DeepSpeed and, with only
+its import changed to `import zero as deepspeed`, on zero (2 CPU ranks); the
+learning rates, losses, gradient norms and every surface call's return value
+must agree. Also: the global gradient norm is exact where an fp32 sum is not."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import types
+
+import pytest
+import torch
+from harness import run_ranks
+
+import zero_reference  # noqa: F401  (puts the repo root on sys.path)
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dropin_script.py")
+NUM_STEPS = 20
+CASES = [(stage, dtype) for stage in (1, 2, 3) for dtype in ("fp32", "bf16")]
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                     reason="deepspeed not installed (test extra)")
+
+
+def load_script(engine: str) -> types.ModuleType:
+    """The user's script, its first import line swapped for zero's (the only change)."""
+    source = open(SCRIPT).read()
+    if engine == "zero":
+        assert source.count("\nimport deepspeed\n") == 1, "the script must import deepspeed once"
+        source = source.replace("\nimport deepspeed\n", "\nimport zero as deepspeed\n")
+    else:
+        import deepspeed.comm.torch  # noqa: F401  (deepspeed.comm.torch as a name is the torch package)
+
+        # DeepSpeed's CPU accelerator JIT-builds a shared-memory op used only by its
+        # inference all-reduce (~45 s of compiling on 2 cores); training never calls it.
+        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    module = types.ModuleType(f"dropin_script_{engine}")
+    exec(compile(source, SCRIPT, "exec"), module.__dict__)
+    return module
+
+
+def script_worker(rank: int, world_size: int, engine: str) -> dict:
+    import warnings
+
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size))  # what a launcher sets
+    warnings.simplefilter("ignore")  # zero's notes on keys it does not act on, DeepSpeed's deprecations
+    script = load_script(engine)
+    script.deepspeed.init_distributed(dist_backend="gloo")
+    out = {"surface": script.surface()}
+    for stage, dtype in CASES:
+        out[stage, dtype] = script.train(stage, dtype, NUM_STEPS)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, list[dict]]:
+    env = {"DS_ACCELERATOR": "cpu"}
+    return {engine: run_ranks(script_worker, 2, engine, timeout=400, env=env) for engine in ("deepspeed", "zero")}
+
+
+# fp32: the two engines sum the same gradients in other orders (~1 ulp); the
+# losses agree to ~5e-7 (measured) against the issue's 1e-4. A parameter
+# element whose gradient is within rounding of zero can still move by up to lr
+# per Adam step either way, so the per-tensor sums get lr_max (3e-3).
+# bf16: both keep fp32 masters and round the parameters to bf16 after each step;
+# the gradients are bf16 (DeepSpeed accumulates and reduces them in bf16, zero
+# in bf16 too but in another order), so they differ by bf16 ulps (2^-8
+# relative) and the step's parameters by up to one bf16 ulp. Measured: losses
+# 7e-4 apart at most over 20 steps (no growth), grad norms 3.5e-4 relative,
+# tensor sums 0.17; the bounds below are ~3x those.
+LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 2e-3}
+PARAM_TOLERANCE = {"fp32": 3e-3, "bf16": 5e-1}
+NORM_TOLERANCE = {"fp32": 1e-6, "bf16": 1e-3}
+
+
+@needs_deepspeed
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("stage, dtype", CASES)
+def test_training_matches_deepspeed(runs, stage: int, dtype: str) -> None:
+    for rank in range(2):
+        want, got = runs["deepspeed"][rank][stage, dtype], runs["zero"][rank][stage, dtype]
+        case = f"rank {rank} stage {stage} {dtype}"
+        assert got["lr"] == want["lr"], f"{case}: lr {got['lr']} != DeepSpeed's {want['lr']}"
+        loss_gap = max(abs(g - w) for g, w in zip(got["loss"], want["loss"]))
+        assert loss_gap <= LOSS_TOLERANCE[dtype], f"{case}: losses {got['loss']} vs DeepSpeed's {want['loss']}"
+        norm_gap = max(abs(g - w) / w for g, w in zip(got["grad_norm"], want["grad_norm"]))
+        assert norm_gap <= NORM_TOLERANCE[dtype], f"{case}: grad norms {got['grad_norm']} vs {want['grad_norm']}"
+        param_gap = max(abs(g - w) for g, w in zip(got["params"], want["params"]))
+        assert param_gap <= PARAM_TOLERANCE[dtype], f"{case}: parameter sums differ by {param_gap}"
+
+
+@needs_deepspeed
+@pytest.mark.timeout(480)
+def test_surface_matches_deepspeed(runs) -> None:
+    for rank in range(2):
+        want, got = runs["deepspeed"][rank]["surface"], runs["zero"][rank]["surface"]
+        for key in ("comm", "arguments") + tuple(f"engine stage {s}" for s in range(4)):
+            assert got[key] == want[key], f"rank {rank} {key}: zero {got[key]} != DeepSpeed {want[key]}"
+        g, w = got["init"], want["init"]
+        assert g["shapes"] == w["shapes"] and g["ds_shapes"] == w["ds_shapes"], f"rank {rank}: {g} != {w}"
+        assert g["built"] == pytest.approx(w["built"], abs=1e-5) and g["modified"] == w["modified"]
+        assert g["losses"] == pytest.approx(w["losses"], abs=1e-4), f"rank {rank}: trained after Init"
+        assert g["trained"] == pytest.approx(w["trained"], abs=1e-3), f"rank {rank}: parameters after Init"
+
+
+class Linear(torch.nn.Module):
+    """loss = sum_i <p_i, c_i>: the gradient is c, known exactly."""
+
+    def __init__(self, num_params: int, numel: int) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.weights = [torch.nn.Parameter(torch.zeros(numel)) for _ in range(num_params)]
+        for i, weight in enumerate(self.weights):  # the root's own: stage 3 gathers them around its forward
+            self.register_parameter(f"w{i}", weight)
+        # a non-zero mean makes an fp32 running sum drift (~1e-5 relative over millions of terms)
+        self.register_buffer("coef", torch.randn(num_params, numel, generator=gen) * 1e-3 + 2e-3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum((w * c).sum() for w, c in zip(self.weights, self.coef)) * x.sum()
+
+
+def grad_norm_worker(rank: int, world_size: int) -> dict:
+    import zero
+
+    out = {}
+    for stage in (0, 1, 3):
+        model = Linear(40, 65536)  # 2.6 M elements in one bucket
+        plain = [torch.nn.Parameter(torch.zeros(65536)) for _ in range(40)]
+        for p, c in zip(plain, model.coef):
+            p.grad = c.clone()
+        exact = model.coef.double().norm().item()
+        config = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0,
+                  "optimizer": {"type": "SGD", "params": {"lr": 0.0}},
+                  "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
+                                        "reduce_bucket_size": 10**8}}
+        engine, *_ = zero.initialize(model=model, config=config)
+        engine.backward(engine(torch.ones(1)))
+        engine.step()
+        fp32_shard = torch.linalg.vector_norm(model.coef.reshape(-1).chunk(world_size)[rank]).item()
+        out[stage] = (engine.get_global_grad_norm(), torch.nn.utils.clip_grad_norm_(plain, 1e9).item(), exact,
+                      fp32_shard, model.coef.reshape(-1).chunk(world_size)[rank].double().norm().item())
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_grad_norm_matches_plain_pytorch() -> None:
+    for rank, per_stage in enumerate(run_ranks(grad_norm_worker, 2, timeout=100)):
+        for stage, (ours, torch_norm, exact, fp32_shard, exact_shard) in per_stage.items():
+            case = f"rank {rank} stage {stage}"
+            assert abs(fp32_shard / exact_shard - 1) > 2e-6, f"{case}: the case does not show an fp32 sum's drift"
+            assert abs(ours / exact - 1) < 1e-7, f"{case}: {ours} != float64 norm {exact}"
+            assert abs(ours / torch_norm - 1) < 3e-7, f"{case}: {ours} != clip_grad_norm_'s {torch_norm}"
+
+
+def gathered_after_engine_worker(rank: int, world_size: int) -> None:
+    """zero's GatheredParameters on an engine's stage-3 parameters: a change made
+    on the modifier rank reaches every rank and the fp32 master (training goes on
+    exactly as if it had been made before the engine was built); without a
+    modifier rank changes are dropped. Init also feeds a stage-1 engine."""
+    import warnings
+
+    warnings.simplefilter("ignore")
+    script = load_script("zero")
+    deepspeed = script.deepspeed
+
+    def run(stage: int, init: bool, modify: str) -> list[float]:
+        torch.manual_seed(0)
+        with deepspeed.zero.Init(enabled=init):
+            model = script.GPT()
+        if modify == "before":
+            with deepspeed.zero.GatheredParameters(model.ln_f.bias, modifier_rank=0):
+                if rank == 0:
+                    model.ln_f.bias.data.fill_(0.5)
+        engine, *_ = deepspeed.initialize(model=model, config=script.config(stage, "fp32"))
+        if modify == "after":
+            with deepspeed.zero.GatheredParameters(engine.module.ln_f.bias, modifier_rank=0):
+                if rank == 0:
+                    engine.module.ln_f.bias.data.fill_(0.5)
+            with deepspeed.zero.GatheredParameters(engine.module.ln_f.bias):
+                assert torch.equal(engine.module.ln_f.bias, torch.full((script.EMBD,), 0.5)), f"rank {rank}"
+                engine.module.ln_f.bias.data.fill_(7.0)  # no modifier rank: dropped
+            with deepspeed.zero.GatheredParameters(engine.module.ln_f.bias):
+                assert torch.equal(engine.module.ln_f.bias, torch.full((script.EMBD,), 0.5)), f"rank {rank}"
+        losses = []
+        for step in range(3):
+            for micro in range(script.ACCUMULATION):
+                loss = engine(*script.batch(step, micro, rank))
+                engine.backward(loss)
+                engine.step()
+            losses.append(loss.item())
+        return losses
+
+    assert run(3, True, "after") == run(3, True, "before"), f"rank {rank}: modified after the engine"
+    assert run(1, True, "none") == run(1, False, "none"), f"rank {rank}: Init feeding a stage-1 engine"
+
+
+@pytest.mark.timeout(120)
+def test_gathered_parameters_after_engine() -> None:
+    run_ranks(gathered_after_engine_worker, 2, timeout=100)
