@@ -4,6 +4,7 @@ learning rates, losses, gradient norms and every surface call's return value
 must agree. Also: the global gradient norm is exact where an fp32 sum is not."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -94,8 +95,14 @@ def test_training_matches_deepspeed(runs, stage: int, dtype: str) -> None:
 def test_surface_matches_deepspeed(runs) -> None:
     for rank in range(2):
         want, got = runs["deepspeed"][rank]["surface"], runs["zero"][rank]["surface"]
-        for key in ("comm", "arguments") + tuple(f"engine stage {s}" for s in range(4)):
+        for key in ("comm", "arguments"):
             assert got[key] == want[key], f"rank {rank} {key}: zero {got[key]} != DeepSpeed {want[key]}"
+        for stage in range(4):
+            g, w = dict(got[f"engine stage {stage}"]), dict(want[f"engine stage {stage}"])
+            g_params, w_params = g.pop("params"), w.pop("params")
+            assert g == w, f"rank {rank} stage {stage}: zero {g} != DeepSpeed {w}"
+            tolerance = PARAM_TOLERANCE["bf16" if g["bf16"] else "fp32"]
+            assert g_params == pytest.approx(w_params, abs=tolerance), f"rank {rank} stage {stage}: after no_sync"
         g, w = got["init"], want["init"]
         assert g["shapes"] == w["shapes"] and g["ds_shapes"] == w["ds_shapes"], f"rank {rank}: {g} != {w}"
         assert g["built"] == pytest.approx(w["built"], abs=1e-5) and g["modified"] == w["modified"]
@@ -156,7 +163,9 @@ def gathered_after_engine_worker(rank: int, world_size: int) -> None:
     """zero's GatheredParameters on an engine's stage-3 parameters: a change made
     on the modifier rank reaches every rank and the fp32 master (training goes on
     exactly as if it had been made before the engine was built); without a
-    modifier rank changes are dropped. Init also feeds a stage-1 engine."""
+    modifier rank changes are dropped. Init also feeds a stage-1 engine.
+    no_sync: a boundary backward inside sends nothing, and the step is the
+    same as with both gradients reduced."""
     import warnings
 
     warnings.simplefilter("ignore")
@@ -193,7 +202,29 @@ def gathered_after_engine_worker(rank: int, world_size: int) -> None:
     assert run(3, True, "after") == run(3, True, "before"), f"rank {rank}: modified after the engine"
     assert run(1, True, "none") == run(1, False, "none"), f"rank {rank}: Init feeding a stage-1 engine"
 
+    def no_sync_run(stage: int, use_no_sync: bool) -> tuple[list[float], int]:
+        """Micro-batches 0 and 1 of step 0 at a boundary: the first inside no_sync."""
+        torch.manual_seed(0)
+        model = script.GPT()
+        engine, *_ = deepspeed.initialize(model=model, config={**script.config(stage, "fp32"),
+                                                               "gradient_accumulation_steps": 1})
+        comm = engine.parts.comm
+        with engine.no_sync() if use_no_sync else contextlib.nullcontext():
+            sent = comm.sent_nbytes
+            engine.backward(engine(*script.batch(0, 0, rank)))
+            sent = comm.sent_nbytes - sent
+        engine.backward(engine(*script.batch(0, 1, rank)))
+        engine.step()
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+            return [p.detach().sum().item() for p in engine.module.parameters()], sent
+
+    for stage in (0, 1):
+        quiet, sent_quiet = no_sync_run(stage, True)
+        loud, sent_loud = no_sync_run(stage, False)
+        assert sent_quiet == 0 < sent_loud, f"rank {rank} stage {stage}: no_sync sent {sent_quiet} bytes"
+        assert quiet == pytest.approx(loud, abs=1e-5), f"rank {rank} stage {stage}: no_sync changed the step"
+
 
 @pytest.mark.timeout(120)
-def test_gathered_parameters_after_engine() -> None:
+def test_gathered_parameters_after_engine_and_no_sync() -> None:
     run_ranks(gathered_after_engine_worker, 2, timeout=100)
