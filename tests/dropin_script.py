@@ -182,12 +182,18 @@ def engine_surface(stage, dtype):
     root = shared[0]
     out["load_nothing"] = engine.load_checkpoint(os.path.join(root, "empty"))
     out["save"] = engine.save_checkpoint(root, client_state={"epoch": 3})
-    path, client = engine.load_checkpoint(root, load_optimizer_states=False, load_lr_scheduler_states=False,
-                                          load_module_only=True)
-    out["load_module_only"] = (os.path.relpath(path, root).split(os.sep)[0], client.get("epoch"))
-    path, client = engine.load_checkpoint(root, tag="global_step2")
-    out["load"] = (os.path.relpath(path, root).split(os.sep)[0], client.get("epoch"))
-    out["counters_after_load"] = (engine.global_steps, engine.global_samples)
+    for micro in range(ACCUMULATION):  # one more step, which each load below may or may not undo
+        engine.backward(engine(*batch(2, micro, engine.global_rank)))
+        engine.step()
+
+    def loaded(result):
+        path, client = result
+        return (os.path.relpath(path, root).split(os.sep)[0], client.get("epoch"), engine.global_steps,
+                engine.global_samples, engine.get_lr())
+    out["load_module_only"] = loaded(engine.load_checkpoint(root, load_module_only=True))
+    out["load_no_optimizer_no_scheduler"] = loaded(engine.load_checkpoint(
+        root, load_optimizer_states=False, load_lr_scheduler_states=False))
+    out["load"] = loaded(engine.load_checkpoint(root, tag="global_step2"))
     deepspeed.comm.barrier()
     if engine.global_rank == 0:
         shutil.rmtree(root)

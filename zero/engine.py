@@ -211,10 +211,8 @@ class ZeroEngine:
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
-        """Collective; returns True, as DeepSpeed."""
-        if exclude_frozen_parameters:
-            raise ValueError("zero: save_checkpoint(exclude_frozen_parameters=True) is not supported: the "
-                             "checkpoint holds the trainable parameters only already, and the module's buffers")
+        """Collective; returns True, as DeepSpeed. The checkpoint holds the
+        trainable parameters (exclude_frozen_parameters is what it does anyway)."""
         checkpoint.save(self, save_dir, tag, client_state, save_latest=save_latest)
         return True
 
