@@ -13,7 +13,8 @@ def rank_file(directory: str, rank: int, world_size: int) -> str:
     return os.path.join(directory, f"zero_rank{rank}_of{world_size}.pt")
 
 
-def save(engine, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> str:
+def save(engine, save_dir: str, tag: str | None = None, client_state: dict | None = None, *,
+         save_latest: bool = True) -> str:
     """Collective: every rank writes its shard; rank 0 the whole model and `latest`."""
     group, comm = engine.parts.group, engine.parts.comm
     tag = tag or f"global_step{engine.global_steps}"
@@ -25,8 +26,8 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
         "optimizer": engine.optimizer.state_dict(),
         "scaler": engine.parts.scaler.state_dict(),
         "scheduler": scheduler.state_dict() if scheduler is not None and hasattr(scheduler, "state_dict") else None,
-        "counters": {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
-                     "skipped_steps": engine.skipped_steps},
+        "counters": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
+                     "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps},
         "client_state": client_state or {},
     }
     torch.save(state, rank_file(directory, comm.rank, comm.world_size))
@@ -35,16 +36,22 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
         names = engine.parts.param_names
         torch.save({name: p.to(engine.parts.dtype) for name, p in zip(names, full)},
                    os.path.join(directory, "model_states.pt"))
-        with open(os.path.join(save_dir, "latest"), "w") as f:
-            f.write(tag)
+        if save_latest:
+            with open(os.path.join(save_dir, "latest"), "w") as f:
+                f.write(tag)
     if dist.is_initialized():
         dist.barrier()
     return directory
 
 
-def load(engine, load_dir: str, tag: str | None = None) -> tuple[str, dict]:
+def load(engine, load_dir: str, tag: str | None = None, *, load_module_strict: bool = True,
+         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+         load_module_only: bool = False) -> tuple[str, dict]:
     """Restores what save() wrote, on the same world size and stage; returns
-    (path, client_state) like DeepSpeed."""
+    (path, client_state) like DeepSpeed. load_module_only: the parameters only
+    (not the optimizer, scheduler, loss scale or counters), as DeepSpeed's.
+    load_module_strict has nothing to check: the buckets hold every trainable
+    parameter by construction."""
     comm, group = engine.parts.comm, engine.parts.group
     if tag is None:
         with open(os.path.join(load_dir, "latest")) as f:
@@ -61,12 +68,14 @@ def load(engine, load_dir: str, tag: str | None = None) -> tuple[str, dict]:
     with torch.no_grad():
         for bucket, master in zip(group.buckets, state["masters"]):
             bucket.master.copy_(master)
-    engine.optimizer.load_state_dict(state["optimizer"])
-    engine.parts.scaler.load_state_dict(state["scaler"])
-    if state["scheduler"] is not None and engine.lr_scheduler is not None:
-        engine.lr_scheduler.load_state_dict(state["scheduler"])
-    for key, value in state["counters"].items():
-        setattr(engine, key, value)
+    if not load_module_only:
+        if load_optimizer_states:
+            engine.optimizer.load_state_dict(state["optimizer"])
+            engine.parts.scaler.load_state_dict(state["scaler"])  # DeepSpeed keeps it in the optimizer's state
+        if load_lr_scheduler_states and state["scheduler"] is not None and engine.lr_scheduler is not None:
+            engine.lr_scheduler.load_state_dict(state["scheduler"])
+        for key, value in state["counters"].items():
+            setattr(engine, key, value)
     group.publish_masters()
     group.zero_grads()
     return directory, state["client_state"]
