@@ -1,6 +1,7 @@
 """zero: a ZeRO engine (stages 0-3) on ringcomm with DeepSpeed's interface."""
 from __future__ import annotations
 
+from . import checkpointing
 from .build import build_engine
 from .config import EngineConfig, parse
 from .engine import ZeroEngine
@@ -27,4 +28,4 @@ def initialize(model=None, optimizer=None, model_parameters=None, lr_scheduler=N
     return engine, engine.optimizer, None, engine.lr_scheduler
 
 
-__all__ = ["EngineConfig", "ShardingPolicy", "ZeroEngine", "initialize", "parse"]
+__all__ = ["EngineConfig", "checkpointing", "ShardingPolicy", "ZeroEngine", "initialize", "parse"]

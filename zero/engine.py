@@ -2,6 +2,7 @@
 a ParamGroup, with loss scaling, clipping, accumulation and accounting."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -9,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from . import checkpoint
+from . import checkpoint, checkpointing
 from .accounting import MemoryReport, memory_report
 from .backend import Comm
 from .config import EngineConfig
@@ -147,9 +148,11 @@ class ZeroEngine:
 
     # ---- accounting ------------------------------------------------------------------
     def memory_report(self) -> MemoryReport:
-        """Model-state bytes this rank holds, communication buffers apart."""
+        """Model-state bytes this rank holds, communication buffers apart, and
+        the peak of checkpointed inputs held since stats().reset()."""
         gatherer = self.parts.gatherer
-        return memory_report(self.parts.group, self.optimizer, gatherer.peak_live_nbytes if gatherer else 0)
+        report = memory_report(self.parts.group, self.optimizer, gatherer.peak_live_nbytes if gatherer else 0)
+        return dataclasses.replace(report, checkpoint_nbytes=checkpointing.stats().peak_held_nbytes)
 
     def full_params_fp32(self) -> list[torch.Tensor]:
         """Every trainable parameter's fp32 master, whole (a collective)."""
