@@ -5,6 +5,7 @@ from . import checkpointing
 from .build import build_engine
 from .config import EngineConfig, parse
 from .engine import ZeroEngine
+from .estimate import estimate
 from .partition import ShardingPolicy
 
 
@@ -28,4 +29,4 @@ def initialize(model=None, optimizer=None, model_parameters=None, lr_scheduler=N
     return engine, engine.optimizer, None, engine.lr_scheduler
 
 
-__all__ = ["EngineConfig", "checkpointing", "ShardingPolicy", "ZeroEngine", "initialize", "parse"]
+__all__ = ["EngineConfig", "checkpointing", "ShardingPolicy", "ZeroEngine", "estimate", "initialize", "parse"]
