@@ -189,3 +189,24 @@ def test_configure_validates() -> None:
         model(torch.randint(0, 32, (2, 4))).sum().backward()
     checkpointing.reset()
     assert not checkpointing.is_configured()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: pinned host copies, the CUDA RNG state")
+def test_cuda_checkpoint_parity_with_host_inputs() -> None:
+    """The CUDA paths (never run on the CPU-only development machine): dropout
+    masks drawn from the CUDA generator again, inputs pinned on the host."""
+    model = make_model().cuda()
+    tokens = torch.randint(0, 32, (3, 8), device="cuda")
+    grads = {}
+    for section in (None, {"cpu_checkpointing": True, "synchronize_checkpoint_boundary": True}):
+        checkpointing.reset()
+        run = copy.deepcopy(model)
+        if section is not None:
+            checkpointing.configure(None, deepspeed_config={"activation_checkpointing": section})
+            checkpointing.checkpoint_modules(run, DropoutBlock)
+        torch.cuda.manual_seed(3)
+        run(tokens).square().mean().backward()
+        grads[section is None] = [p.grad for p in run.parameters()]
+    for i, (a, b) in enumerate(zip(grads[True], grads[False])):
+        assert torch.equal(a, b), f"parameter {i}: {(a - b).abs().max().item()}"
+    checkpointing.reset()

@@ -122,8 +122,8 @@ class ActivationStore:
         stored, partitioned = value, False
         if self.comm is not None:
             stored, partitioned = self._chunk(value), True
-        if self.options.cpu and stored.device.type != "cpu":
-            stored = stored.to("cpu", non_blocking=False).pin_memory() if torch.cuda.is_available() else stored.cpu()
+        if self.options.cpu and stored.device.type != "cpu":  # one copy, straight into pinned memory
+            stored = torch.empty(stored.shape, dtype=stored.dtype, pin_memory=True).copy_(stored)
         slot = None
         if self.slots is not None:
             stored, slot = self.slots.take(position, stored.reshape(-1))
