@@ -69,7 +69,8 @@ def config(stage: int, section: dict | None) -> dict:
 
 
 def train(stage: int, mode: str | None, rank: int, replicated: bool, steps: int = 2):
-    """Losses, final fp32 parameters and the peak checkpointed-input bytes."""
+    """Losses, final fp32 parameters, the peak checkpointed-input bytes and the
+    number of inputs gathered one checkpoint ahead."""
     checkpointing.reset()
     model = make_model()
     section = None if mode is None else MODES[mode]
@@ -89,7 +90,8 @@ def train(stage: int, mode: str | None, rank: int, replicated: bool, steps: int 
         engine.backward(loss)
         engine.step()
         losses.append(loss.detach())
-    return losses, engine.full_params_fp32(), engine.memory_report().checkpoint_nbytes
+    return losses, engine.full_params_fp32(), engine.memory_report().checkpoint_nbytes, \
+        checkpointing.stats().num_prefetched
 
 
 def parity_worker(rank: int, world_size: int) -> dict:
@@ -99,8 +101,10 @@ def parity_worker(rank: int, world_size: int) -> dict:
         for mode in MODES:
             replicated = mode.startswith("partition")
             case = f"rank {rank}/{world_size} stage {stage} {mode}"
-            ref_losses, ref_params, _ = references[replicated]
-            losses, params, held[stage, mode] = train(stage, mode, rank, replicated)
+            ref_losses, ref_params, *_ = references[replicated]
+            losses, params, held[stage, mode], prefetched = train(stage, mode, rank, replicated)
+            expected = 2 * 2 if replicated and world_size > 1 else 0  # per step, every block input but the last
+            assert prefetched == expected, f"{case}: {prefetched} inputs gathered ahead, expected {expected}"
             for step, (a, b) in enumerate(zip(ref_losses, losses)):
                 assert torch.equal(a, b), f"{case} step {step}: loss {b.item()!r} != {a.item()!r}"
             for i, (a, b) in enumerate(zip(ref_params, params)):

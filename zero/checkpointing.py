@@ -19,6 +19,7 @@ every later `checkpoint` call.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -47,6 +48,7 @@ class ActivationStats:
     saved_nbytes: int = 0
     peak_held_nbytes: int = 0
     peak_nbytes: int = 0
+    num_prefetched: int = 0  # partitioned inputs whose gather started before their recomputation
 
     def add(self, kind: str, nbytes: int) -> None:
         setattr(self, kind, getattr(self, kind) + nbytes)
@@ -137,6 +139,7 @@ class _Frame:
         self.held = held
         self.store = store
         self.rng = rng
+        self.stats = _runtime.stats
         self.num_packed = 0
         self.saved: list | None = None
         self.seen: dict[int, int] = {}
@@ -157,22 +160,22 @@ class _Frame:
             raise RuntimeError("zero.checkpointing: a saved tensor was used twice (backward through a "
                                "checkpointed graph a second time, or torch.autograd.grad); not supported")
         self.saved[index] = None
-        _runtime.stats.add("recomputed_nbytes", -_forget(tensor, self.seen))
+        self.stats.add("recomputed_nbytes", -_forget(tensor, self.seen))
         return tensor
 
     def _recompute(self) -> None:
         _runtime.prefetch_before(self)
         args = list(self.args)
         for position, held in self.held.items():
-            nbytes = held.nbytes
+            nbytes, self.stats.num_prefetched = held.nbytes, self.stats.num_prefetched + (held.handle is not None)
             args[position] = self.store.fetch(held).detach().requires_grad_(held.requires_grad)
-            _runtime.stats.add("held_nbytes", -nbytes)
+            self.stats.add("held_nbytes", -nbytes)
         self.held.clear()
         self.saved = []
 
         def keep(tensor: torch.Tensor) -> None:
             self.saved.append(tensor.detach())
-            _runtime.stats.add("recomputed_nbytes", _storage_nbytes(tensor, self.seen))
+            self.stats.add("recomputed_nbytes", _storage_nbytes(tensor, self.seen))
 
         def never(_: None) -> torch.Tensor:
             raise RuntimeError("zero.checkpointing: the recomputed graph is not meant for backward")
@@ -185,12 +188,11 @@ class _Frame:
                                f"{self.num_packed}: the checkpointed function must run the same ops both times")
 
 
-
-def _release(held: dict[int, Held], store: ActivationStore) -> None:
+def _release(held: dict[int, Held], store: ActivationStore, stats: ActivationStats) -> None:
     """A frame died without a backward (evaluation with grad on, a dropped
     loss): give back what it still holds."""
     for item in held.values():
-        _runtime.stats.add("held_nbytes", -item.nbytes)
+        stats.add("held_nbytes", -item.nbytes)
         store.release(item)
     held.clear()
 
@@ -200,24 +202,18 @@ def _unpack(token: tuple[_Frame, int]) -> torch.Tensor:
     return frame.unpack(index)
 
 
-class _boundary:
+@contextlib.contextmanager
+def _boundary(what: str):
     """synchronize_checkpoint_boundary and profile around a forward or a recompute."""
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-
-    def __enter__(self) -> None:
-        options = _runtime.options
-        if options.synchronize and torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self.start = time.perf_counter()
-
-    def __exit__(self, *exc) -> None:
-        options = _runtime.options
-        if options.synchronize and torch.cuda.is_available():
-            torch.cuda.synchronize()
-        if options.profile:
-            log.info("zero.checkpointing: %s %.3f ms", self.what, 1e3 * (time.perf_counter() - self.start))
+    options = _runtime.options
+    if options.synchronize and torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    yield
+    if options.synchronize and torch.cuda.is_available():
+        torch.cuda.synchronize()
+    if options.profile:
+        log.info("zero.checkpointing: %s %.3f ms", what, 1e3 * (time.perf_counter() - start))
 
 
 def _rng_state(args: list) -> tuple:
@@ -225,23 +221,19 @@ def _rng_state(args: list) -> tuple:
     return torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in devices}
 
 
-class _restored_rng:
+@contextlib.contextmanager
+def _restored_rng(state: tuple, args: list):
     """Runs the recomputation with the forward's RNG state (dropout draws the
     same masks) and puts the current state back afterwards."""
-
-    def __init__(self, state: tuple, args: list) -> None:
-        self.state = state
-        self.args = args
-
-    def __enter__(self) -> None:
-        self.saved = _rng_state(self.args)
-        torch.set_rng_state(self.state[0])
-        for device, cuda_state in self.state[1].items():
-            torch.cuda.set_rng_state(cuda_state, device)
-
-    def __exit__(self, *exc) -> None:
-        torch.set_rng_state(self.saved[0])
-        for device, cuda_state in self.saved[1].items():
+    current = _rng_state(args)
+    torch.set_rng_state(state[0])
+    for device, cuda_state in state[1].items():
+        torch.cuda.set_rng_state(cuda_state, device)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(current[0])
+        for device, cuda_state in current[1].items():
             torch.cuda.set_rng_state(cuda_state, device)
 
 
@@ -260,7 +252,7 @@ def _checkpoint(forward: Callable, recompute: Callable, args: tuple):
         _runtime.stats.add("held_nbytes", held[position].nbytes)
     kept = [None if i in tensors else a for i, a in enumerate(args)]
     frame = _Frame(recompute, kept, held, store, rng)
-    weakref.finalize(frame, _release, held, store)
+    weakref.finalize(frame, _release, held, store, _runtime.stats)
     _runtime.add_frame(frame)
     with _boundary("forward"), torch.autograd.graph.saved_tensors_hooks(frame.pack, _unpack):
         return forward(*args)
