@@ -78,7 +78,8 @@ def train(stage: int, mode: str | None, rank: int, replicated: bool, steps: int 
         warnings.simplefilter("ignore")
         engine, *_ = zero.initialize(model=model, config=config(stage, section))
     if mode is not None:
-        checkpointing.configure(WorldMpu() if replicated else None, deepspeed_config=config(stage, section))
+        partitioned = section.get("partition_activations", False)
+        checkpointing.configure(WorldMpu() if partitioned else None, deepspeed_config=config(stage, section))
         checkpointing.checkpoint_modules(model, DropoutBlock)
     losses = []
     for step in range(steps):
@@ -110,6 +111,9 @@ def parity_worker(rank: int, world_size: int) -> dict:
             for i, (a, b) in enumerate(zip(ref_params, params)):
                 assert torch.equal(a, b), f"{case}: parameter {i} differs by {(a - b).abs().max().item()}"
             assert held[stage, mode] > 0, f"{case}: no checkpointed inputs measured"
+    if world_size > 1:  # each rank its own batch: nothing to partition, and an error says so
+        with pytest.raises(ValueError, match=f"rank {rank}'s checkpointed input differs"):
+            train(0, "partition", rank, replicated=False, steps=1)
     return held
 
 

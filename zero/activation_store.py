@@ -116,11 +116,14 @@ class ActivationStore:
         self.options = options
         self.comm = comm if options.partition else None
         self.slots = SlotBuffers(options.num_slots) if options.contiguous else None
+        self.checked = False  # the first partitioned input was compared across the group
 
     def hold(self, position: int, tensor: torch.Tensor) -> Held:
         value = tensor.detach()
         stored, partitioned = value, False
         if self.comm is not None:
+            if not self.checked:
+                self._check_replicated(value)
             stored, partitioned = self._chunk(value), True
         if self.options.cpu and stored.device.type != "cpu":  # one copy, straight into pinned memory
             stored = torch.empty(stored.shape, dtype=stored.dtype, pin_memory=True).copy_(stored)
@@ -128,6 +131,20 @@ class ActivationStore:
         if self.slots is not None:
             stored, slot = self.slots.take(position, stored.reshape(-1))
         return Held(stored, value.shape, value.device, tensor.requires_grad, partitioned, slot)
+
+    def _check_replicated(self, value: torch.Tensor) -> None:
+        """Once per store: every rank of the group holds this same input (see
+        the Note), else the gathered inputs would mix ranks' activations."""
+        mine = torch.stack([value.double().sum(), value.double().abs().sum()]).to(value.device)
+        every = torch.empty(2 * self.comm.world_size, dtype=torch.float64, device=value.device)
+        self.comm.all_gather(every, mine).wait()
+        rows = every.view(-1, 2)
+        differ = [r for r in range(self.comm.world_size) if not torch.equal(rows[r], rows[self.comm.rank])]
+        if differ:
+            raise ValueError(f"activation_checkpointing.partition_activations: rank {self.comm.rank}'s checkpointed "
+                             f"input differs from that of group ranks {differ}; partitioning needs the same "
+                             "activations on every rank of the mpu's model-parallel group")
+        self.checked = True
 
     def _chunk(self, value: torch.Tensor) -> torch.Tensor:
         """This rank's chunk of the flattened input, the last one zero-padded."""
