@@ -132,7 +132,7 @@ def states_worker(rank: int, world_size: int) -> list[str]:
                 measured = engine.memory_report().model_state_nbytes
                 row = estimate(model=build, ranks=world_size, persistence_threshold=40,
                                mixed_precision=dtype_name == "bf16").stage_rows[stage]
-                expected = row[1] if dtype_name == "bf16" else row[2]
+                expected = row.mixed_nbytes if dtype_name == "bf16" else row.fp32_nbytes
                 case = f"rank {rank} {build.__name__} {dtype_name} stage {stage}"
                 assert abs(measured - expected) <= 0.02 * expected, f"{case}: measured {measured} B, estimate {expected:.0f} B"
                 lines.append(f"{case}: {measured} / {expected:.0f}")

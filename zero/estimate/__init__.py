@@ -15,6 +15,7 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .. import memory_model as mm
 
@@ -120,13 +121,21 @@ def transformer_params(shape: mm.TransformerShape) -> int:
     return shape.layers * block + shape.vocab * h + shape.seq * h + 2 * h
 
 
+class StageRow(NamedTuple):
+    stage: int
+    mixed_nbytes: float  # model states per rank, fp16/bf16 + Adam
+    fp32_nbytes: float  # fp32 + Adam
+    sent_nbytes: float  # 16-bit elements each rank sends per step
+    reduction: float  # DDP's model states over this stage's
+
+
 @dataclass(slots=True)
 class Estimate:
     """What zero.estimate computed; report() is the CLI's text."""
 
     job: mm.Job
     micro_batch: int
-    stage_rows: list[tuple[int, float, float, float, float]] = field(default_factory=list)  # stage, mixed, fp32 B, wire B, factor
+    stage_rows: list[StageRow] = field(default_factory=list)
     activation_rows: list[tuple[str, float]] = field(default_factory=list)
     buffer_rows: list[tuple[int, mm.Buffers]] = field(default_factory=list)
     rungs: list[mm.Rung] = field(default_factory=list)
@@ -192,7 +201,7 @@ def estimate(params: float | str | None = None, ranks: int = 1, *, model: str | 
                  prefetch_bucket_size, max_live_parameters)
     result = Estimate(job, shape.micro_batch if shape else 1)
     for stage in mm.STAGES:
-        result.stage_rows.append((stage, mm.model_states(num_params, ranks, stage, mm.MIXED, resident).total,
+        result.stage_rows.append(StageRow(stage, mm.model_states(num_params, ranks, stage, mm.MIXED, resident).total,
                                   mm.model_states(num_params, ranks, stage, mm.FP32, resident).total,
                                   2 * mm.comm_elements(num_params, ranks, stage), mm.reduction_factor(ranks, stage)))
         result.buffer_rows.append((stage, mm.comm_buffers(
