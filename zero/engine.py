@@ -2,9 +2,8 @@
 a ParamGroup, with loss scaling, clipping, accumulation and accounting."""
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -152,7 +151,7 @@ class ZeroEngine:
         the peak of checkpointed inputs held since stats().reset()."""
         gatherer = self.parts.gatherer
         report = memory_report(self.parts.group, self.optimizer, gatherer.peak_live_nbytes if gatherer else 0)
-        return dataclasses.replace(report, checkpoint_nbytes=checkpointing.stats().peak_held_nbytes)
+        return replace(report, checkpoint_nbytes=checkpointing.stats().peak_held_nbytes)
 
     def full_params_fp32(self) -> list[torch.Tensor]:
         """Every trainable parameter's fp32 master, whole (a collective)."""
