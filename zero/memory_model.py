@@ -107,7 +107,7 @@ def activations(shape: TransformerShape, element_bytes: int, *, checkpointed: bo
                 partition_world_size: int = 1) -> Activations:
     """Activation bytes per rank (see the Note). Checkpointed per block: every
     block's input (1/partition_world_size of it when partitioned) plus one
-    block recomputed at a time."""
+    block recomputed at a time, whose saved tensors include its whole input."""
     s, b, h, a = shape.seq, shape.micro_batch, shape.hidden, shape.heads
     sbh, attention = s * b * h, a * s * s * b
     mlp = 1 + (2 if shape.activation == "gelu" else 1) * shape.mlp_ratio
@@ -116,11 +116,13 @@ def activations(shape: TransformerShape, element_bytes: int, *, checkpointed: bo
     if shape.dropout:  # two residual masks and the attention-probability mask (1 byte), its output
         masks, elements = 2 * sbh + attention, elements + attention
     layer = elements * element_bytes + masks
-    block_input = sbh * element_bytes
-    outside = s * b * 8 + sbh * element_bytes  # int64 token ids, the head's input
-    if checkpointed:
-        held = shape.layers * math.ceil(block_input / partition_world_size)
-        return Activations(layer, block_input, outside, held + layer + outside)
+    block_input, token_ids = sbh * element_bytes, s * b * 8
+    outside = token_ids + block_input  # int64 token ids, the head's input
+    if checkpointed:  # the peak: the end of forward, or the last block recomputed (its input whole
+        # again) after the head's backward freed its input
+        held = math.ceil(block_input / partition_world_size)
+        peak = max(shape.layers * held + outside, (shape.layers - 1) * held + layer + token_ids)
+        return Activations(layer, block_input, outside, peak)
     return Activations(layer, block_input, outside, shape.layers * layer + outside)
 
 
