@@ -15,6 +15,7 @@ class MemoryReport:
     grads_nbytes: int
     optimizer_nbytes: int  # fp32 master weights (when not the parameters) + optimizer states
     comm_buffer_nbytes: int  # peaks of transient gradient buckets + of gathered stage 3 units
+    checkpoint_nbytes: int = 0  # activation side: peak of checkpointed inputs held (zero.checkpointing)
 
     @property
     def model_state_nbytes(self) -> int:
