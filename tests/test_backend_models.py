@@ -7,7 +7,6 @@ import collections
 import copy
 import importlib.util
 import os
-import sys
 from datetime import timedelta
 
 import pytest
@@ -138,12 +137,9 @@ def deepspeed_worker(rank: int, world_size: int, init_method: str, backend: str)
     """Trains the model with DeepSpeed ZeRO stages 1, 2, 3 on `backend`; returns the
     full parameters per stage, flat, as floats (tensors would travel back by
     shared memory that the finished rank no longer serves)."""
-    import deepspeed
-    import deepspeed.comm.torch  # noqa: F401  (deepspeed.comm.torch as a name is the torch package)
+    from deepspeed_cpu import import_deepspeed
 
-    # DeepSpeed's CPU accelerator JIT-builds a shared-memory op used only by its
-    # inference all-reduce (~45 s of compiling on 2 cores); training never calls it.
-    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    deepspeed = import_deepspeed()
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size))  # what a launcher sets
     reinit(rank, world_size, init_method, backend)
     deepspeed.init_distributed(dist_backend=backend)

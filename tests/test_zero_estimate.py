@@ -200,7 +200,8 @@ for step in range(2 * engine.gradient_accumulation_steps()):
     engine.step()
     losses.append(loss.item())
 assert engine.global_steps == 2 * engine.gradient_accumulation_steps() and all(map(torch.isfinite, torch.tensor(losses)))
-import deepspeed
+from deepspeed_cpu import import_deepspeed
+deepspeed = import_deepspeed()
 model = TinyTransformer()
 ds, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=config)
 print("trained", losses, type(ds).__name__)
