@@ -192,6 +192,7 @@ def engine_state(engine, client_state: dict | None) -> dict:
     return {
         "format": FORMAT, "world_size": comm.world_size, "stage": engine.parts.group.policy.stage,
         "dtype": str(engine.parts.dtype).removeprefix("torch."),
+        "params": param_shapes(engine), "state_dict": state_dict_keys(engine),
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups],
         "scaler": engine.parts.scaler.state_dict(),
         "scheduler": scheduler.state_dict() if scheduler is not None and hasattr(scheduler, "state_dict") else None,
@@ -199,6 +200,20 @@ def engine_state(engine, client_state: dict | None) -> dict:
                      "skipped_steps": engine.skipped_steps},
         "client_state": client_state or {},
     }
+
+
+def param_shapes(engine) -> dict[str, tuple[int, ...]]:
+    """Every trainable parameter's shape, by name (stage 3 parameters are empty between uses)."""
+    names = engine.parts.param_names
+    return {names[i]: tuple(shape) for b in engine.parts.group.buckets for i, shape in zip(b.indices, b.shapes)}
+
+
+def state_dict_keys(engine) -> list[tuple[str, str | None]]:
+    """The module's state_dict keys in order, each with the trainable
+    parameter it holds (tied names name the same one) or None (buffers, frozen)."""
+    name_of = {id(p): name for p, name in zip(engine.parts.trainable, engine.parts.param_names)}
+    params = dict(engine.module.named_parameters(remove_duplicate=False))
+    return [(key, name_of.get(id(params.get(key)))) for key in engine.module.state_dict(keep_vars=True)]
 
 
 def module_state_dict(engine, full: list[torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -238,9 +253,9 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
     barrier(BARRIER_TIMEOUT_S)
+    full = engine.full_params_fp32()  # collective: before any rank may stop at a barrier
     write_shards(shard_file(partial, rank, world_size), named_shards(engine))
     phase_hook("written", rank)
-    full = engine.full_params_fp32()  # collective
     barrier(BARRIER_TIMEOUT_S)
     if rank == 0:
         _save_torch(engine_state(engine, client_state), os.path.join(partial, ENGINE_STATE))
