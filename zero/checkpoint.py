@@ -13,7 +13,7 @@ size and stage: each rank reads the overlap of the saved ranges with its own.
                  TAG exists: rename TAG -> .TAG.previous                          "renamed_old"
                  rename .TAG.partial -> TAG, fsync save_dir, remove .previous     "before_latest"
                  write latest.tmp, fsync, rename -> latest
-    barrier
+    barrier      (other ranks wait here: "waiting")
 A kill at any point leaves the old TAG, or the new complete TAG, or (between
 the two renames) .TAG.previous alone, which load() and the next save() take
 back as TAG. `latest` never names an incomplete directory.
@@ -242,10 +242,10 @@ def _save_torch(obj: object, path: str) -> None:
 
 def save(engine, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> str:
     """Collective: writes save_dir/tag atomically ([Note: atomic save]); returns its path."""
-    rank, world_size = engine.parts.comm.rank, engine.parts.comm.world_size
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     if not tag or os.sep in tag or tag.startswith("."):
         raise ValueError(f"save_checkpoint: tag {tag!r} must be a plain, non-hidden directory name")
+    rank, world_size = engine.parts.comm.rank, engine.parts.comm.world_size
     directory, partial = os.path.join(save_dir, tag), os.path.join(save_dir, f".{tag}.partial")
     if rank == 0:
         os.makedirs(save_dir, exist_ok=True)
@@ -263,6 +263,8 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
         fsync_dir(partial)
         phase_hook("committing", rank)
         commit(save_dir, tag, partial, directory)
+    else:
+        phase_hook("waiting", rank)
     barrier(BARRIER_TIMEOUT_S)
     return directory
 
