@@ -57,7 +57,25 @@ def save_worker(rank: int, world_size: int, directory: str) -> dict:
         train(engine, rank, world_size, range(SAVED_STEPS))
         engine.save_checkpoint(os.path.join(directory, f"stage{stage}"))
         out[stage] = {name: p.numpy() for name, p in zip(engine.parts.param_names, engine.full_params_fp32())}
+    engine = big_engine()
+    engine.save_checkpoint(os.path.join(directory, "big"))
     return out if rank == 0 else {}  # numpy: pickled by value through the result pipe
+
+
+def big_model() -> torch.nn.Module:
+    """One large parameter (16 MiB in fp32) and 24 MiB in smaller ones."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(2048, 2048, bias=False),
+                               *(torch.nn.Linear(1024, 1024, bias=False) for _ in range(6)))
+
+
+def big_engine():
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 1}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, *_ = zero.initialize(model=big_model(), config=config)
+    return engine
 
 
 def resume_worker(rank: int, world_size: int, directory: str) -> dict:
@@ -122,6 +140,38 @@ def test_to_fp32_command_line(saved, tmp_path) -> None:
                     "--format", "safetensors"], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
     state = load_file(str(out))
     assert torch.equal(state["blocks.0.fc1.weight"], torch.from_numpy(params[3]["blocks.0.fc1.weight"]))
+
+
+PEAK_SCRIPT = """
+import sys
+from zero import to_fp32
+def status(key):
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))
+for output in sys.argv[2:]:
+    open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS
+    base = status("VmRSS:")
+    to_fp32.convert(sys.argv[1], output)
+    print(status("VmHWM:") - base)
+"""
+FIXED_NBYTES = 8 << 20  # headers, the index of shards, Python objects; not proportional to the model
+
+
+def test_to_fp32_streams(saved, tmp_path) -> None:
+    """Peak memory of a conversion: the largest parameter plus a fixed buffer, not the model."""
+    directory, _ = saved
+    model = big_model()
+    largest = max(p.numel() * 4 for p in model.parameters())
+    total = sum(p.numel() * 4 for p in model.parameters())
+    assert largest + FIXED_NBYTES < total, "the model must be able to tell streaming from loading it whole"
+    outputs = [str(tmp_path / "big.safetensors"), str(tmp_path / "big.pt")]
+    done = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, os.path.join(directory, "big"), *outputs], check=True,
+                          capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    for output, peak in zip(outputs, map(int, done.stdout.split())):
+        assert peak <= largest + FIXED_NBYTES, f"{output}: peak {peak / 2**20:.1f} MiB > largest parameter " \
+                                               f"{largest / 2**20:.1f} MiB + {FIXED_NBYTES / 2**20:.0f} MiB"
+    reference = big_model().state_dict()
+    for state in (load_file(outputs[0]), torch.load(outputs[1])):
+        assert state.keys() == reference.keys() and all(torch.equal(state[k], reference[k]) for k in reference)
 
 
 @pytest.mark.parametrize("world_size", [1, 3, 4])

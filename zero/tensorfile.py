@@ -6,8 +6,9 @@ than RAM can be written and consolidated with a bounded buffer.
   then the bytes. The safetensors package writes whole dicts only, hence this
   writer; the tests read its files with the package.
 - torch.save's zip format: the skeleton is saved with
-  torch.serialization.skip_data (storages reserved, not written) from fake
-  tensors, then each storage is written in place at its record's offset.
+  torch.serialization.skip_data (storages reserved, not written) from
+  placeholder tensors that are never touched, then each storage is written
+  in place at its record's offset.
 """
 from __future__ import annotations
 
@@ -133,19 +134,16 @@ def write_torch(path: str, specs: Sequence[TensorSpec], fill: Fill, aliases: dic
     """Writes a torch.save file of {name: tensor} in the order of `specs`, with
     `aliases` (name -> a spec's name, placed right after it) sharing that
     tensor's storage as tied parameters do in a state_dict; fsyncs."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     aliases = aliases or {}
     after: dict[str, list[str]] = {}
     for alias, target in aliases.items():
         after.setdefault(target, []).append(alias)
     skeleton: dict[str, torch.Tensor] = {}
-    with FakeTensorMode():
-        for spec in specs:
-            skeleton[spec.name] = torch.empty(spec.shape, dtype=spec.dtype)
-            for alias in after.get(spec.name, ()):
-                skeleton[alias] = skeleton[spec.name]
-    with torch.serialization.skip_data(materialize_fake_tensors=True):
+    for spec in specs:  # never written to, never read (skip_data): untouched pages take no memory
+        skeleton[spec.name] = torch.empty(spec.shape, dtype=spec.dtype)
+        for alias in after.get(spec.name, ()):
+            skeleton[alias] = skeleton[spec.name]
+    with torch.serialization.skip_data():
         torch.save(skeleton, path)
     del skeleton
     # torch.save numbers storages in the order the pickler meets them: the specs' order
