@@ -19,7 +19,7 @@ from harness import run_ranks
 from zero_reference import CLIP, LR, MICRO, engine_config, loss_fn, make_batch, make_model
 
 import zero
-from zero import to_fp32
+from zero import checkpoint, to_fp32
 
 KIND, SAVED_WORLD, SAVED_STEPS, MORE_STEPS = "tied", 2, 2, 3
 STAGES = (0, 1, 2, 3)
@@ -144,7 +144,7 @@ def test_to_fp32_command_line(saved, tmp_path) -> None:
 
 PEAK_SCRIPT = """
 import sys
-from zero import to_fp32
+from zero import checkpoint, to_fp32
 def status(key):
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))
 for output in sys.argv[2:]:
@@ -183,3 +183,28 @@ def test_resume_on_other_world_size(saved, world_size: int) -> None:
         losses = results[0][stage]
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=LOSS_RTOL, atol=LOSS_RTOL,
                                    msg=lambda m: f"stage {stage}, 2 -> {world_size} ranks: {losses} vs {reference}: {m}")
+
+
+def keywords_worker(rank: int, world_size: int, directory: str, params: dict) -> None:
+    """DeepSpeed's load_checkpoint keywords, through checkpoint.load (a 2-rank stage 2 save, loaded on 1 rank)."""
+    save_dir = os.path.join(directory, "stage2")
+    for keywords, steps, has_states in (({}, SAVED_STEPS, True), ({"load_optimizer_states": False}, SAVED_STEPS, False),
+                                        ({"load_module_only": True}, 0, False)):
+        engine = new_engine(2, world_size)
+        path, client = checkpoint.load(engine, save_dir, **keywords)
+        assert path.endswith("global_step2") and client == {}, f"{keywords}: {path} {client}"
+        assert engine.global_steps == steps, f"{keywords}: {engine.global_steps=}"
+        states = [s for s in engine.optimizer.state.values() if s]
+        assert bool(states) == has_states, f"{keywords}: optimizer states {len(states)}"
+        if has_states:
+            assert all(float(s["step"]) == SAVED_STEPS for s in states), f"{keywords}: steps"
+        for name, value in zip(engine.parts.param_names, engine.full_params_fp32()):
+            assert torch.equal(value, torch.from_numpy(params[2][name])), f"{keywords}: {name}"
+    engine = new_engine(2, world_size)
+    with pytest.raises(ValueError, match="no checkpoint directory"):
+        checkpoint.load(engine, save_dir, "global_step9")
+
+
+def test_load_keywords(saved) -> None:
+    directory, params = saved
+    run_ranks(keywords_worker, 1, directory, params, timeout=120)

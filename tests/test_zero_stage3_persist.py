@@ -41,17 +41,14 @@ def persist_worker(rank: int, world_size: int) -> None:
     assert states == 16 * psi // world_size, f"rank {rank}: {report} vs 16 psi / N = {16 * psi // world_size}"
     expected = 2 * persistent_numel * (world_size - 1) // world_size
     assert report.persistent_params_nbytes == expected, f"rank {rank}: {report} vs persistent {expected}"
+    threshold_case(rank, world_size)
 
 
 def test_stage3_shards_tied_and_small_parameters() -> None:
     run_ranks(persist_worker, 2, timeout=120)
 
 
-def test_threshold_keeps_parameters_whole() -> None:
-    run_ranks(threshold_worker, 2, timeout=120)
-
-
-def threshold_worker(rank: int, world_size: int) -> None:
+def threshold_case(rank: int, world_size: int) -> None:
     """A threshold above every parameter keeps the whole model on each rank, as DeepSpeed does."""
     model = make_model("tied")
     config = engine_config(3, "bf16", 1, world_size, stage3_param_persistence_threshold=10 ** 6)
