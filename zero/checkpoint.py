@@ -108,11 +108,15 @@ class SavedShards:
     def __init__(self, directory: str, world_size: int) -> None:
         self.readers = [SafetensorsReader(shard_file(directory, r, world_size)) for r in range(world_size)]
         self.by_name: dict[str, list[tuple[SafetensorsReader, NamedShard]]] = {}
-        for reader in self.readers:
+        self.kinds: dict[tuple[int, str], set[str]] = {}  # (reader, shard key) -> "master" and the state keys
+        for r, reader in enumerate(self.readers):
             if reader.metadata.get("format") != FORMAT:
                 raise ValueError(f"load_checkpoint: {reader.path} is not a {FORMAT} file")
             for name, offset, numel, group in json.loads(reader.metadata["shards"]):
                 self.by_name.setdefault(name, []).append((reader, NamedShard(name, offset, numel, group)))
+            for spec in reader.specs:
+                key, kind = spec.rsplit(":", 1)
+                self.kinds.setdefault((r, key), set()).add(kind)
 
     def overlaps(self, name: str, begin: int, end: int):
         """(reader, saved shard, first element, last element + 1) of each saved
@@ -129,7 +133,7 @@ class SavedShards:
         for reader, shard, lo, hi in self.overlaps(name, begin, begin + out.numel()):
             reader.read(f"{shard.key}:{kind}", out[lo - begin:hi - begin], lo - shard.offset)
             covered += hi - lo
-            kinds.update(k.rsplit(":", 1)[1] for k in reader.specs if k.startswith(shard.key + ":"))
+            kinds |= self.kinds[(self.readers.index(reader), shard.key)]
         if covered != out.numel():
             raise ValueError(f"load_checkpoint: the saved shards cover {covered} of elements [{begin}, "
                              f"{begin + out.numel()}) of {name}")
@@ -146,6 +150,8 @@ def restore_named_shards(engine, saved: SavedShards, *, optimizer_states: bool, 
     states = {}
     with torch.no_grad():
         for shard, view in master_slices(engine):
+            if shard.name not in saved.by_name:  # not saved, and load_module_strict is off
+                continue
             kinds = saved.read(shard.name, "master", view, shard.offset)
             if round_to_model_dtype:  # DeepSpeed restores masters from the 16-bit weights without optimizer states
                 view.copy_(view.to(engine.parts.dtype).float())
@@ -329,7 +335,7 @@ def load(engine, load_dir: str, tag: str | None = None, *, load_module_strict: b
     if optimizer_states and len(state["param_groups"]) != len(engine.optimizer.param_groups):
         raise ValueError(f"load_checkpoint: {directory} has {len(state['param_groups'])} optimizer param groups, "
                          f"this engine {len(engine.optimizer.param_groups)}")
-    check_names(engine, directory, state["world_size"], strict=load_module_strict)
+    check_params(engine, directory, state["params"], strict=load_module_strict)
     saved = SavedShards(directory, state["world_size"])
     try:
         restore_named_shards(engine, saved, optimizer_states=optimizer_states, round_to_model_dtype=not optimizer_states)
@@ -346,16 +352,14 @@ def load(engine, load_dir: str, tag: str | None = None, *, load_module_strict: b
     return directory, state["client_state"]
 
 
-def check_names(engine, directory: str, world_size: int, *, strict: bool) -> None:
-    if not strict:
-        return
-    readers = [SafetensorsReader(shard_file(directory, r, world_size)) for r in range(world_size)]
-    saved = {entry[0] for r in readers for entry in json.loads(r.metadata["shards"])}
-    for r in readers:
-        r.close()
-    missing = sorted(set(engine.parts.param_names) - saved)
-    unexpected = sorted(saved - set(engine.parts.param_names))
-    if missing or unexpected:
+def check_params(engine, directory: str, saved: dict[str, tuple[int, ...]], *, strict: bool) -> None:
+    """The saved trainable parameters match the engine's by shape, and (strict) by name."""
+    shapes = param_shapes(engine)
+    wrong = [(name, saved[name], shape) for name, shape in shapes.items() if name in saved and saved[name] != shape]
+    if wrong:
+        raise ValueError(f"load_checkpoint: {directory}: (name, saved shape, model shape) differ: {wrong[:8]}")
+    missing, unexpected = sorted(set(shapes) - set(saved)), sorted(set(saved) - set(shapes))
+    if strict and (missing or unexpected):
         raise ValueError(f"load_checkpoint: {directory} does not match the module (load_module_strict): "
                          f"missing {missing[:8]}, unexpected {unexpected[:8]}")
 
