@@ -45,12 +45,13 @@ def convert(checkpoint_dir: str, output: str, *, tag: str | None = None, fmt: st
     extras = None
     if any(param is None for _, param in state["state_dict"]):
         extras = torch.load(os.path.join(directory, MODEL_STATES), mmap=True, weights_only=True)
-    specs, sources, aliases = [], {}, {}
+    specs, sources, aliases, first_key = [], {}, {}, {}
     for key, param in state["state_dict"]:
-        if param is not None and param in sources.values():
-            aliases[key] = next(k for k, p in sources.items() if p == param)  # tied: one tensor, two names
+        if param is not None and param in first_key:
+            aliases[key] = first_key[param]  # tied: one tensor, two names
             continue
         if param is not None:
+            first_key[param] = key
             specs.append(TensorSpec(key, tuple(state["params"][param]), torch.float32))
         else:
             value = extras[key]
