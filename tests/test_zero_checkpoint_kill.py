@@ -26,15 +26,15 @@ CASES = {
 
 
 def kill_worker(rank: int, world_size: int, save_dir: str, phase: str, victims: tuple[int, ...], fixed: bool) -> str:
-    """Saves after 2 steps, writes the parameters at both saves next to the
-    checkpoint, then saves again after 4 steps and is killed at `phase`."""
+    """Saves after a step, writes the parameters at both saves next to the
+    checkpoint, then saves again after another step and is killed at `phase`."""
     checkpoint.BARRIER_TIMEOUT_S = 3.0  # a survivor stops waiting for a dead rank
     tag = "fixed" if fixed else None
     engine = new_engine(STAGE, world_size)
-    train(engine, rank, world_size, range(2))
+    train(engine, rank, world_size, range(1))
     engine.save_checkpoint(save_dir, tag)
     before = engine.full_params_fp32()
-    train(engine, rank, world_size, range(2, 4))
+    train(engine, rank, world_size, range(1, 2))
     after = engine.full_params_fp32()
     if rank == 0:
         torch.save({"before": before, "after": after}, save_dir + ".expected.pt")
@@ -60,7 +60,7 @@ def load_worker(rank: int, world_size: int, cases: dict) -> None:
         for i, (a, b) in enumerate(zip(engine.full_params_fp32(), expected, strict=True)):
             assert torch.equal(a, b), f"{case}: parameter {i} is not the {which} checkpoint's"
         if fixed:  # the next save with that tag completes, and loads
-            train(engine, rank, world_size, range(4, 5))
+            train(engine, rank, world_size, range(2, 3))
             engine.save_checkpoint(save_dir, "fixed")
             resumed = new_engine(STAGE, world_size)
             resumed.load_checkpoint(save_dir)

@@ -44,6 +44,7 @@ class ModuleGatherer:
         if self.current:
             self.order = self.current
         self.current = []
+        self.in_use.clear()  # a forward that raised left its counts behind
 
     def _prefetch(self, bucket: ZeroBucket, direction: int) -> None:
         """Starts gathering the buckets after `bucket` in `direction` (+1 forward,
