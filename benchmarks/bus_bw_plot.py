@@ -1,4 +1,5 @@
-"""busbw vs size, one panel per op, one line per backend, memcpy as the limit line."""
+"""busbw vs size, one panel per op, one line per backend, memcpy as the limit line;
+log-log, so that 8 B-1 MiB (latency-bound) is as readable as the large sizes."""
 from __future__ import annotations
 
 import matplotlib
@@ -18,6 +19,7 @@ def plot(rows: list[dict], args, info: dict, path: str) -> None:
         limit = sorted({(r["size"], r["memcpy_gbps"]) for r in mine})
         ax.plot(*zip(*limit), linestyle="--", color="gray", label="memcpy (limit)")
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")  # busbw spans 5 decades from 8 B to 128 MiB
         ax.set_xlabel("size (bytes)")
         ax.set_ylabel("bus bandwidth (GB/s)")
         ax.set_title(f"{op}, {info['world_size']} ranks, {args.datatype}")

@@ -1,15 +1,22 @@
 """zero: a ZeRO engine (stages 0-3) on ringcomm with DeepSpeed's interface."""
 from __future__ import annotations
 
+import argparse
+
+from . import comm, zero
 from .build import build_engine
+from .comm import init_distributed
 from .config import EngineConfig, parse
 from .engine import ZeroEngine
 from .partition import ShardingPolicy
+from .zero import GatheredParameters, Init
 
 
-def initialize(model=None, optimizer=None, model_parameters=None, lr_scheduler=None, config=None,
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
+               distributed_port: int = 29500, mpu=None, dist_init_required=None, collate_fn=None, config=None,
                comm_backend: str | None = None, **kwargs):
-    """deepspeed.initialize: returns (engine, optimizer, None, lr_scheduler).
+    """deepspeed.initialize (same argument order): returns (engine, optimizer,
+    None, lr_scheduler); training_data is not wrapped in a loader here.
     comm_backend "ringcomm" (default) or "torch"; also a config key. "auto"
     config values come from `args` (attributes or a dict: per_device_train_batch_size,
     gradient_accumulation_steps, max_grad_norm, ...), the model and the world size."""
@@ -17,14 +24,31 @@ def initialize(model=None, optimizer=None, model_parameters=None, lr_scheduler=N
         raise ValueError("zero.initialize: model is required")
     if config is None:
         config = kwargs.pop("config_params", None)
-    unknown = set(kwargs) - {"args", "training_data", "collate_fn", "mpu", "dist_init_required"}
-    if unknown:
-        raise TypeError(f"zero.initialize: unexpected arguments {sorted(unknown)}")
-    args = kwargs.get("args")
-    if config is None and getattr(args, "deepspeed_config", None):
-        config = args.deepspeed_config
+    if kwargs:
+        raise TypeError(f"zero.initialize: unexpected arguments {sorted(kwargs)}")
+    if training_data is not None:
+        raise ValueError("zero.initialize: training_data is not supported; build the DataLoader (with a "
+                         "DistributedSampler) in the script")
+    if mpu is not None:
+        raise ValueError("zero.initialize: mpu (model parallelism) is not supported")
+    if config is None:
+        config = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
     engine = build_engine(model, optimizer, model_parameters, lr_scheduler, config, comm_backend, args)
     return engine, engine.optimizer, None, engine.lr_scheduler
 
 
-__all__ = ["EngineConfig", "ShardingPolicy", "ZeroEngine", "initialize", "parse"]
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """deepspeed.add_config_arguments: --deepspeed, --deepspeed_config and their
+    deprecated --deepscale spellings, in a "DeepSpeed" argument group."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="Enable DeepSpeed (helper flag for user code, no impact on the engine)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed json configuration file.")
+    group.add_argument("--deepscale", default=False, action="store_true", help="Deprecated spelling of --deepspeed")
+    group.add_argument("--deepscale_config", default=None, type=str,
+                       help="Deprecated spelling of --deepspeed_config")
+    return parser
+
+
+__all__ = ["EngineConfig", "GatheredParameters", "Init", "ShardingPolicy", "ZeroEngine", "add_config_arguments",
+           "comm", "init_distributed", "initialize", "parse", "zero"]

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 
 import torch
@@ -11,8 +10,10 @@ from torch import nn
 
 from ringcomm.layout import BufferLayout, plan_buckets, plan_module_buckets
 
+from . import comm as comm_mod
 from . import config as config_mod
 from . import optim
+from . import zero as zero_init
 from .backend import make_comm
 from .engine import EngineParts, ZeroEngine
 from .gather import ModuleGatherer
@@ -21,16 +22,6 @@ from .precision import make_scaler
 
 log = logging.getLogger("zero")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def init_distributed() -> None:
-    """env:// under a launcher (torchrun sets RANK/WORLD_SIZE); else one process."""
-    if dist.is_initialized():
-        return
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group("gloo")
-    else:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
 ARGUMENTS = {  # config key <- attribute of `args` (DeepSpeed/HF launcher arguments), for "auto"
@@ -46,7 +37,8 @@ ARGUMENTS = {  # config key <- attribute of `args` (DeepSpeed/HF launcher argume
 def model_facts(model: nn.Module, world_size: int, args: object = None) -> config_mod.ModelFacts:
     params = list(model.parameters())
     dtype = str(params[0].dtype).removeprefix("torch.") if params else "float32"
-    hidden = max((min(p.shape) for p in params if p.dim() == 2), default=1024)
+    shapes = [zero_init.full_shape(p) for p in params]
+    hidden = max((min(shape) for shape in shapes if len(shape) == 2), default=1024)
     given = {}
     for key, names in ARGUMENTS.items():
         for name in names:
@@ -65,7 +57,7 @@ def plan_layout(model: nn.Module, params: list[nn.Parameter], cfg: config_mod.En
                 world_size: int) -> tuple[BufferLayout, dict[nn.Module, tuple[int, ...]]]:
     """The buckets (ringcomm.layout) and, for stage 3, the buckets each module
     gathers around its use (persistent parameters stay whole in a resident bucket)."""
-    numels = [p.numel() for p in params]
+    numels = [zero_init.full_numel(p) for p in params]
     if not cfg.zero.policy.shard_params:
         return plan_buckets(numels, world_size=world_size, bucket_numel=cfg.zero.reduce_bucket_size), {}
     modules, groups = module_groups(model, params)
@@ -120,7 +112,7 @@ def make_scheduler(lr_scheduler, optimizer, cfg: config_mod.EngineConfig):
 
 def build_engine(model: nn.Module, optimizer=None, model_parameters=None, lr_scheduler=None,
                  config=None, comm_backend: str | None = None, args: object = None) -> ZeroEngine:
-    init_distributed()
+    comm_mod.init_distributed()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     cfg = config_mod.parse(config if config is not None else {}, model_facts(model, world_size, args))
     for note in cfg.not_implemented:
@@ -142,6 +134,7 @@ def build_engine(model: nn.Module, optimizer=None, model_parameters=None, lr_sch
     group.register_hooks(params)
     gatherer = None
     if cfg.zero.policy.shard_params:
+        zero_init.attach(group)
         gatherer = ModuleGatherer({m: [buckets[i] for i in uses] for m, uses in module_uses.items()}, group,
                                   prefetch_numel=cfg.zero.prefetch_bucket_size,
                                   max_live_numel=cfg.zero.max_live_parameters)

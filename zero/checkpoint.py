@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -144,7 +143,7 @@ class SavedShards:
             reader.close()
 
 
-def restore_named_shards(engine, saved: SavedShards, *, optimizer_states: bool, round_to_model_dtype: bool) -> None:
+def restore_named_shards(engine, saved: SavedShards, *, optimizer_states: bool) -> None:
     """Reads every master slice this rank updates (and its optimizer states)
     from the saved shards, whatever world size and stage wrote them."""
     states = {}
@@ -153,8 +152,6 @@ def restore_named_shards(engine, saved: SavedShards, *, optimizer_states: bool, 
             if shard.name not in saved.by_name:  # not saved, and load_module_strict is off
                 continue
             kinds = saved.read(shard.name, "master", view, shard.offset)
-            if round_to_model_dtype:  # DeepSpeed restores masters from the 16-bit weights without optimizer states
-                view.copy_(view.to(engine.parts.dtype).float())
             if optimizer_states and shard.group is not None:
                 states[view] = {kind: saved_state(saved, shard, kind) for kind in sorted(kinds - {"master"})}
     if optimizer_states:
@@ -202,8 +199,8 @@ def engine_state(engine, client_state: dict | None) -> dict:
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups],
         "scaler": engine.parts.scaler.state_dict(),
         "scheduler": scheduler.state_dict() if scheduler is not None and hasattr(scheduler, "state_dict") else None,
-        "counters": {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
-                     "skipped_steps": engine.skipped_steps},
+        "counters": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
+                     "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps},
         "client_state": client_state or {},
     }
 
@@ -246,8 +243,10 @@ def _save_torch(obj: object, path: str) -> None:
         os.fsync(f.fileno())
 
 
-def save(engine, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> str:
-    """Collective: writes save_dir/tag atomically ([Note: atomic save]); returns its path."""
+def save(engine, save_dir: str, tag: str | None = None, client_state: dict | None = None, *,
+         save_latest: bool = True) -> str:
+    """Collective: writes save_dir/tag atomically ([Note: atomic save]); returns its path.
+    save_latest=False leaves `latest` as it was, as DeepSpeed's."""
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     if not tag or os.sep in tag or tag.startswith("."):
         raise ValueError(f"save_checkpoint: tag {tag!r} must be a plain, non-hidden directory name")
@@ -268,14 +267,14 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
         _save_torch(module_state_dict(engine, full, engine.parts.dtype), os.path.join(partial, MODEL_STATES))
         fsync_dir(partial)
         phase_hook("committing", rank)
-        commit(save_dir, tag, partial, directory)
+        commit(save_dir, tag, partial, directory, save_latest=save_latest)
     else:
         phase_hook("waiting", rank)
     barrier(BARRIER_TIMEOUT_S)
     return directory
 
 
-def commit(save_dir: str, tag: str, partial: str, directory: str) -> None:
+def commit(save_dir: str, tag: str, partial: str, directory: str, *, save_latest: bool) -> None:
     previous = os.path.join(save_dir, f".{tag}.previous")
     if os.path.exists(directory):
         os.rename(directory, previous)
@@ -284,6 +283,8 @@ def commit(save_dir: str, tag: str, partial: str, directory: str) -> None:
     fsync_dir(save_dir)
     shutil.rmtree(previous, ignore_errors=True)
     phase_hook("before_latest", 0)
+    if not save_latest:
+        return
     latest = os.path.join(save_dir, "latest")
     with open(latest + ".tmp", "w") as f:
         f.write(tag)
@@ -321,12 +322,14 @@ def resolve(load_dir: str, tag: str | None) -> str:
 
 def load(engine, load_dir: str, tag: str | None = None, *, load_module_strict: bool = True,
          load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-         load_module_only: bool = False) -> tuple[str | None, dict | None]:
+         load_module_only: bool = False) -> tuple[str, dict]:
     """Restores a checkpoint saved on any world size and stage (a collective
-    only in that every rank reads); returns (path, client_state) like DeepSpeed."""
-    if tag is None and not os.path.isfile(os.path.join(load_dir, "latest")):
-        warnings.warn(f"load_checkpoint: no 'latest' file in {load_dir}; nothing loaded (pass a tag)", stacklevel=3)
-        return None, None  # DeepSpeed's answer
+    only in that every rank reads); returns (path, client_state) like DeepSpeed.
+    DeepSpeed's keywords: load_optimizer_states=False leaves the optimizer (and
+    the loss scale, which DeepSpeed keeps in it) as they are; load_module_only
+    restores the parameters only. The fp32 masters always come from the
+    checkpoint's (DeepSpeed rebuilds them from the 16-bit weights without the
+    optimizer states); load_module_strict checks the parameter names."""
     directory = resolve(load_dir, tag)
     state = torch.load(os.path.join(directory, ENGINE_STATE), weights_only=False)
     if state.get("format") != FORMAT:
@@ -338,7 +341,7 @@ def load(engine, load_dir: str, tag: str | None = None, *, load_module_strict: b
     check_params(engine, directory, state["params"], strict=load_module_strict)
     saved = SavedShards(directory, state["world_size"])
     try:
-        restore_named_shards(engine, saved, optimizer_states=optimizer_states, round_to_model_dtype=not optimizer_states)
+        restore_named_shards(engine, saved, optimizer_states=optimizer_states)
     finally:
         saved.close()
     restore_module_extras(engine, directory, strict=load_module_strict)
@@ -346,7 +349,7 @@ def load(engine, load_dir: str, tag: str | None = None, *, load_module_strict: b
         for group, hyper in zip(engine.optimizer.param_groups, state["param_groups"]):
             group.update(hyper)
     if not load_module_only:
-        restore_engine(engine, state, load_lr_scheduler_states)
+        restore_engine(engine, state, scaler=optimizer_states, scheduler=load_lr_scheduler_states)
     engine.parts.group.publish_masters()
     engine.parts.group.zero_grads()
     return directory, state["client_state"]
@@ -382,9 +385,11 @@ def restore_module_extras(engine, directory: str, *, strict: bool) -> None:
                 tensor.copy_(saved[key])
 
 
-def restore_engine(engine, state: dict, load_lr_scheduler_states: bool) -> None:
-    engine.parts.scaler.load_state_dict(state["scaler"])
-    if load_lr_scheduler_states and state["scheduler"] is not None and engine.lr_scheduler is not None:
+def restore_engine(engine, state: dict, *, scaler: bool, scheduler: bool) -> None:
+    """Counters always; the loss scaler and the LR scheduler when asked."""
+    if scaler:
+        engine.parts.scaler.load_state_dict(state["scaler"])
+    if scheduler and state["scheduler"] is not None and engine.lr_scheduler is not None:
         engine.lr_scheduler.load_state_dict(state["scheduler"])
     for key, value in state["counters"].items():
         setattr(engine, key, value)

@@ -30,14 +30,27 @@ ZERO_KEYS = {
 FP16_KEYS = {"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
              "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads"}
 BF16_KEYS = {"enabled", "immediate_grad_update", "check_grad_overflow"}
-SCHEDULER_PARAMS = {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps",
-                    "last_batch_iteration"}
+_WARMUP = ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration")
+SCHEDULER_PARAMS = {  # type -> (required, optional) params: deepspeed.runtime.lr_schedules' constructor arguments
+    "WarmupLR": ((), _WARMUP),
+    "WarmupDecayLR": (("total_num_steps",), _WARMUP),
+    "OneCycle": (("cycle_min_lr", "cycle_max_lr"), (
+        "decay_lr_rate", "cycle_first_step_size", "cycle_second_step_size", "cycle_first_stair_count",
+        "cycle_second_stair_count", "decay_step_size", "cycle_momentum", "cycle_min_mom", "cycle_max_mom",
+        "decay_mom_rate", "last_batch_iteration")),
+    "LRRangeTest": ((), ("lr_range_test_min_lr", "lr_range_test_step_size", "lr_range_test_step_rate",
+                         "lr_range_test_staircase", "last_batch_iteration")),
+}
+SCHEDULER_INTS = {  # integer params and their minimum
+    "warmup_num_steps": 1, "total_num_steps": 1, "cycle_first_step_size": 1, "cycle_second_step_size": 0,
+    "lr_range_test_step_size": 1, "cycle_first_stair_count": 0, "cycle_second_stair_count": 0, "decay_step_size": 0,
+    "last_batch_iteration": -1}
 OFFLOAD_KEYS = {"device", "pin_memory", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu",
                 "fast_init", "ratio", "pipeline_read", "pipeline_write"}
 CHECKPOINT_KEYS = {"partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
                    "number_checkpoints", "synchronize_checkpoint_boundary", "profile"}
 OPTIMIZERS = ("adam", "adamw", "sgd")
-SCHEDULERS = ("WarmupLR", "WarmupDecayLR")
+SCHEDULERS = tuple(SCHEDULER_PARAMS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,21 +245,35 @@ def _optimizer(section: object) -> dict | None:
 
 
 def _scheduler(section: object) -> dict | None:
+    """DeepSpeed builds the schedule as type(optimizer, **params): an unknown or
+    missing argument is a mistake, named here rather than as a TypeError later.
+    "auto" (a Hugging Face placeholder) leaves the schedule's default."""
     if section is None:
         return None
     if not isinstance(section, dict) or section.get("type") not in SCHEDULERS:
         raise ValueError(f"zero config: scheduler.type must be one of {SCHEDULERS}, got {section!r}")
-    params = section.get("params", {})
+    kind, params = section["type"], section.get("params", {})
     if not isinstance(params, dict):
         raise ValueError(f"zero config: scheduler.params must be an object, got {params!r}")
-    _warn_unknown(params, SCHEDULER_PARAMS, "scheduler.params.")
-    for key in ("warmup_min_lr", "warmup_max_lr"):
-        if key in params and params[key] != AUTO:
-            _float(params[key], f"scheduler.params.{key}")
-    for key in ("warmup_num_steps", "total_num_steps"):
-        if key in params and params[key] != AUTO:
-            _int(params[key], f"scheduler.params.{key}", 1)
-    return {"type": section["type"], "params": dict(params)}
+    required, optional = SCHEDULER_PARAMS[kind]
+    for key in params:
+        if key not in required + optional:
+            raise ValueError(f"zero config: scheduler.params.{key!r} is not an argument of {kind} "
+                             f"(it takes {', '.join(required + optional)})")
+    for key in required:
+        if params.get(key, AUTO) == AUTO:
+            raise ValueError(f"zero config: scheduler.params.{key} is required for {kind}")
+    given = {k: v for k, v in params.items() if v != AUTO}
+    for key, value in given.items():
+        if value is None:  # DeepSpeed's default for the *_second_* sizes and warmup_max_lr
+            continue
+        if key in SCHEDULER_INTS:
+            given[key] = _int(value, f"scheduler.params.{key}", SCHEDULER_INTS[key])
+        elif key.endswith(("_lr", "_rate", "_mom")) and not isinstance(value, (list, tuple)):
+            _float(value, f"scheduler.params.{key}")
+    if given.get("warmup_type", "log") not in ("log", "linear"):
+        raise ValueError(f"zero config: scheduler.params.warmup_type must be log or linear, got {given['warmup_type']!r}")
+    return {"type": kind, "params": given}
 
 
 def _activation_checkpointing(section: object) -> dict | None:

@@ -2,7 +2,10 @@
 a ParamGroup, with loss scaling, clipping, accumulation and accounting."""
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +19,8 @@ from .config import EngineConfig
 from .gather import ModuleGatherer
 from .param_group import ParamGroup
 from .precision import LossScaler
+
+log = logging.getLogger("zero")
 
 
 @dataclass(slots=True)
@@ -45,8 +50,14 @@ class ZeroEngine:
         self.lr_scheduler = parts.scheduler
         self.config = parts.config
         self.global_steps = 0
+        self.global_samples = 0
         self.micro_steps = 0
         self.skipped_steps = 0
+        self.world_size = parts.comm.world_size
+        self.global_rank = parts.comm.rank
+        buckets = parts.group.buckets
+        self.device = buckets[0].shard.device if buckets else torch.device("cpu")
+        self._inside_no_sync = False
         self.last_step_sent_nbytes = 0
         self._global_grad_norm: float | None = None
         self._step_applied = False
@@ -69,16 +80,20 @@ class ZeroEngine:
         """Scales the loss (loss scale / accumulation steps), back-propagates and
         reduces the gradients (overlapped with backward by the bucket hooks)."""
         scale = self.parts.scaler.scale / self.gradient_accumulation_steps()
-        self.parts.group.reduce_grads(loss.float() * scale, self.is_gradient_accumulation_boundary())
+        reduce = self.is_gradient_accumulation_boundary() and not self._inside_no_sync
+        self.parts.group.reduce_grads(loss.float() * scale, reduce)
         return loss
 
     def step(self) -> None:
         """Updates the parameters at an accumulation boundary (no-op otherwise)."""
+        if self._inside_no_sync:
+            raise RuntimeError("zero: engine.step() inside no_sync(): leave the context first (as DeepSpeed)")
         if self.is_gradient_accumulation_boundary():
             self._step_applied = self._take_step()
             if self._step_applied and self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             self.global_steps += 1
+            self.global_samples += self.train_batch_size()
             self.last_step_sent_nbytes = self.parts.comm.sent_nbytes
             self.parts.comm.sent_nbytes = 0
         self.micro_steps += 1
@@ -128,6 +143,45 @@ class ZeroEngine:
     def train_batch_size(self) -> int:
         return self.config.train_batch_size
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward inside accumulates gradients locally without reducing them,
+        even at an accumulation boundary; the next reducing backward reduces
+        them all. As DeepSpeed: refused at stages 2-3 (gradients are sharded as
+        they are produced), not re-entrant, and step() inside is an error."""
+        if self.config.zero.policy.shard_grads:
+            raise ValueError(f"zero: no_sync() is incompatible with the gradient partitioning of ZeRO stage "
+                             f"{self.zero_optimization_stage()} (as in DeepSpeed)")
+        if self._inside_no_sync:
+            raise RuntimeError("zero: no_sync() is not re-entrant")
+        self._inside_no_sync = True
+        try:
+            yield
+        finally:
+            self._inside_no_sync = False
+
+    @property
+    def local_rank(self) -> int:
+        """LOCAL_RANK as the launcher set it (DeepSpeed requires it too)."""
+        if "LOCAL_RANK" in os.environ:
+            return int(os.environ["LOCAL_RANK"])
+        if self.world_size == 1:
+            return 0
+        raise RuntimeError(f"zero: engine.local_rank: LOCAL_RANK is not set on rank {self.global_rank} of "
+                           f"{self.world_size} (torchrun and the deepspeed launcher set it)")
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero.stage
+
+    def zero_optimization(self) -> bool:
+        return self.config.zero.stage > 0
+
+    def fp16_enabled(self) -> bool:
+        return self.config.dtype == "float16"
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.dtype == "bfloat16"
+
     def get_global_grad_norm(self) -> float | None:
         return self._global_grad_norm
 
@@ -155,11 +209,30 @@ class ZeroEngine:
         """Every trainable parameter's fp32 master, whole (a collective)."""
         return self.parts.group.full_masters()
 
-    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> str:
-        return checkpoint.save(self, save_dir, tag, client_state)
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """Collective; returns True, as DeepSpeed. The checkpoint holds the
+        trainable parameters (exclude_frozen_parameters is what it does anyway)."""
+        checkpoint.save(self, save_dir, tag, client_state, save_latest=save_latest)
+        return True
 
-    def load_checkpoint(self, load_dir: str, tag: str | None = None) -> tuple[str, dict]:
-        return checkpoint.load(self, load_dir, tag)
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn=None) -> tuple[str | None, dict | None]:
+        """Returns (path, client_state), or (None, None) when `tag` is None and
+        load_dir has no `latest` file, as DeepSpeed. load_module_only restores
+        the parameters only; the fp32 masters always come from the checkpoint
+        (DeepSpeed rebuilds them from the 16-bit weights when it skips the
+        optimizer states)."""
+        if custom_load_fn is not None:
+            raise ValueError("zero: load_checkpoint(custom_load_fn=...) is not supported")
+        if tag is None and not os.path.isfile(os.path.join(load_dir, "latest")):
+            log.warning(f"zero: load_checkpoint: no 'latest' file in {load_dir}; nothing loaded")
+            return None, None
+        return checkpoint.load(self, load_dir, tag, load_module_strict=load_module_strict,
+                               load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states,
+                               load_module_only=load_module_only)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
         return checkpoint.save_16bit_model(self, save_dir, save_filename)

@@ -2,11 +2,12 @@
 client optimizer at the engine's fp32 master slices."""
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 
 import torch
 from torch import nn
+
+from . import lr_schedules
 
 SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
@@ -62,55 +63,6 @@ def _may_fuse(optimizer: torch.optim.Optimizer, group: dict) -> bool:
             and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in group["params"]))
 
 
-class WarmupLR:
-    """DeepSpeed's WarmupLR (and WarmupDecayLR with total_num_steps): lr goes
-    from warmup_min_lr to warmup_max_lr over warmup_num_steps (log or linear),
-    then stays (or decays linearly to warmup_min_lr at total_num_steps)."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, params: dict, total_num_steps: int | None = None) -> None:
-        self.optimizer = optimizer
-        params = {k: v for k, v in params.items() if v != "auto"}
-        self.min_lr = float(params.get("warmup_min_lr", 0.0))
-        self.max_lr = float(params.get("warmup_max_lr", 0.001))
-        self.warmup_num_steps = max(2, int(params.get("warmup_num_steps", 1000)))
-        self.warmup_type = params.get("warmup_type", "log")
-        self.total_num_steps = total_num_steps
-        if self.warmup_type not in ("log", "linear"):
-            raise ValueError(f"zero config: scheduler.params.warmup_type must be log or linear, got {self.warmup_type!r}")
-        if total_num_steps is not None and total_num_steps < self.warmup_num_steps:
-            raise ValueError(f"zero config: scheduler.params.total_num_steps ({total_num_steps}) < warmup_num_steps")
-        self.last_batch_iteration = -1
-        self.step()
-
-    def _gamma(self, it: int) -> float:
-        if it < self.warmup_num_steps:
-            if self.warmup_type == "log":
-                return math.log(it + 1) / math.log(self.warmup_num_steps)
-            return it / self.warmup_num_steps
-        if self.total_num_steps is None:
-            return 1.0
-        return max(0.0, (self.total_num_steps - it) / max(1.0, self.total_num_steps - self.warmup_num_steps))
-
-    def get_last_lr(self) -> list[float]:
-        return [group["lr"] for group in self.optimizer.param_groups]
-
-    def step(self) -> None:
-        self.last_batch_iteration += 1
-        lr = self.min_lr + (self.max_lr - self.min_lr) * self._gamma(self.last_batch_iteration)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-
-    def state_dict(self) -> dict:
-        return {"last_batch_iteration": self.last_batch_iteration}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.last_batch_iteration = state["last_batch_iteration"]
-
-
-def scheduler_from_config(section: dict, optimizer: torch.optim.Optimizer) -> WarmupLR:
-    params = section["params"]
-    if section["type"] == "WarmupDecayLR":
-        if "total_num_steps" not in params:
-            raise ValueError("zero config: scheduler.params.total_num_steps is required for WarmupDecayLR")
-        return WarmupLR(optimizer, params, int(params["total_num_steps"]))
-    return WarmupLR(optimizer, params)
+def scheduler_from_config(section: dict, optimizer: torch.optim.Optimizer) -> lr_schedules.Schedule:
+    """As DeepSpeed: type(optimizer, **params), params checked by config.py."""
+    return lr_schedules.SCHEDULES[section["type"]](optimizer, **section["params"])
