@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import argparse
 
-from . import comm, zero
+from . import checkpointing, comm, zero
 from .build import build_engine
 from .comm import init_distributed
 from .config import EngineConfig, parse
 from .engine import ZeroEngine
+from .estimate import estimate
 from .partition import ShardingPolicy
 from .zero import GatheredParameters, Init
 
@@ -51,4 +52,4 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 
 __all__ = ["EngineConfig", "GatheredParameters", "Init", "ShardingPolicy", "ZeroEngine", "add_config_arguments",
-           "comm", "init_distributed", "initialize", "parse", "zero"]
+           "checkpointing", "comm", "estimate", "init_distributed", "initialize", "parse", "zero"]

@@ -15,6 +15,7 @@ class MemoryReport:
     grads_nbytes: int
     optimizer_nbytes: int  # fp32 master weights (when not the parameters) + optimizer states
     comm_buffer_nbytes: int  # peaks of transient gradient buckets + of gathered stage 3 units
+    checkpoint_nbytes: int = 0  # activation side: peak of checkpointed inputs held (zero.checkpointing)
     # stage 3: what the persistent parameters (stage3_param_persistence_threshold) hold whole beyond the
     # shard that params_nbytes counts, so params + grads + optimizer is the paper's 16 psi / N
     persistent_params_nbytes: int = 0
@@ -57,4 +58,4 @@ def memory_report(group: ParamGroup, optimizer: torch.optim.Optimizer, gathered_
               if isinstance(t, torch.Tensor) and t.dim() > 0]
     optimizer_nbytes = storages.nbytes(b.master for b in group.buckets) + storages.nbytes(states)
     return MemoryReport(params, grads, optimizer_nbytes, group.scheduler.peak_transient_nbytes + gathered_nbytes,
-                        persistent)
+                        persistent_params_nbytes=persistent)

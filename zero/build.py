@@ -10,6 +10,7 @@ from torch import nn
 
 from ringcomm.layout import BufferLayout, plan_buckets, plan_module_buckets
 
+from . import checkpointing
 from . import comm as comm_mod
 from . import config as config_mod
 from . import optim
@@ -120,6 +121,7 @@ def build_engine(model: nn.Module, optimizer=None, model_parameters=None, lr_sch
         warnings.warn(message, stacklevel=3)
         if rank == 0:
             log.warning(message)
+    checkpointing.configure_from(cfg.activation_checkpointing)
     dtype = DTYPES[cfg.dtype]
     model.to(dtype)
     params = trainable_params(model)

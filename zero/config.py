@@ -276,13 +276,15 @@ def _scheduler(section: object) -> dict | None:
     return {"type": kind, "params": given}
 
 
-def _activation_checkpointing(section: object) -> dict | None:
+def activation_checkpointing(section: object) -> dict | None:
+    """The validated activation_checkpointing section (zero.checkpointing reads it)."""
     if section is None:
         return None
     if not isinstance(section, dict):
         raise ValueError(f"zero config: activation_checkpointing must be an object, got {section!r}")
     _warn_unknown(section, CHECKPOINT_KEYS, "activation_checkpointing.")
-    for key in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization"):
+    for key in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+                "synchronize_checkpoint_boundary", "profile"):
         _bool(section.get(key, False), f"activation_checkpointing.{key}")
     if section.get("number_checkpoints") is not None:
         _int(section["number_checkpoints"], "activation_checkpointing.number_checkpoints", 1)
@@ -298,7 +300,7 @@ def parse(config: str | os.PathLike | dict, facts: ModelFacts) -> EngineConfig:
             raise ValueError(f"zero config: {key} must be an object, got {raw[key]!r}")
     train, micro, accum = resolve_batch(raw, facts.world_size, facts.arguments)
     zero = _zero(raw.get("zero_optimization", {}), facts)
-    checkpointing = _activation_checkpointing(raw.get("activation_checkpointing"))
+    checkpointing = activation_checkpointing(raw.get("activation_checkpointing"))
     backend = raw.get("comm_backend")
     if backend not in (None, "ringcomm", "torch"):
         raise ValueError(f"zero config: comm_backend must be 'ringcomm' or 'torch', got {backend!r}")
@@ -306,8 +308,7 @@ def parse(config: str | os.PathLike | dict, facts: ModelFacts) -> EngineConfig:
         note for note, on in ((f"zero_optimization.offload_optimizer (device {zero.offload_optimizer})",
                                zero.offload_optimizer != "none"),
                               (f"zero_optimization.offload_param (device {zero.offload_param})",
-                               zero.offload_param != "none"),
-                              ("activation_checkpointing", checkpointing is not None)) if on)
+                               zero.offload_param != "none")) if on)
     return EngineConfig(
         train_batch_size=train, micro_batch_size=micro, gradient_accumulation_steps=accum,
         gradient_clipping=_float(_get(raw, "gradient_clipping", 0.0, facts.arguments.get("gradient_clipping", 1.0)),

@@ -6,13 +6,13 @@ import contextlib
 import logging
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from . import checkpoint
+from . import checkpoint, checkpointing
 from .accounting import MemoryReport, memory_report
 from .backend import Comm
 from .config import EngineConfig
@@ -201,9 +201,11 @@ class ZeroEngine:
 
     # ---- accounting ------------------------------------------------------------------
     def memory_report(self) -> MemoryReport:
-        """Model-state bytes this rank holds, communication buffers apart."""
+        """Model-state bytes this rank holds, communication buffers apart, and
+        the peak of checkpointed inputs held since stats().reset()."""
         gatherer = self.parts.gatherer
-        return memory_report(self.parts.group, self.optimizer, gatherer.peak_live_nbytes if gatherer else 0)
+        report = memory_report(self.parts.group, self.optimizer, gatherer.peak_live_nbytes if gatherer else 0)
+        return replace(report, checkpoint_nbytes=checkpointing.stats().peak_held_nbytes)
 
     def full_params_fp32(self) -> list[torch.Tensor]:
         """Every trainable parameter's fp32 master, whole (a collective)."""

@@ -1,0 +1,270 @@
+"""Pure arithmetic of training memory per rank (standard library only): model
+states per ZeRO stage (the ZeRO paper's table), communication volume,
+transformer activations, communication buffers, offload (ZeRO-Offload /
+ZeRO-Infinity), and the out-of-memory ladder over them.
+
+[Note: what is counted]
+Model states follow the ZeRO paper: psi parameters, p bytes each for the
+parameters and the gradients, K bytes of optimizer state (mixed precision
+Adam: fp32 master 4 + momentum 4 + variance 4 = 12; fp32 Adam: 8, the master is
+the parameter). Stage 1 shards K, stage 2 also the gradients, stage 3 also the
+parameters, except those kept whole on every rank (stage-3 persistent ones).
+Activations follow "Reducing Activation Recomputation in Large Transformer
+Models" (Korthikanti et al.): what one pre-norm block saves for backward is
+s*b*h*(attention 5 + norm inputs 2 + MLP) + a*s*s*b elements (+ dropout), the
+MLP term 1 + 2*ratio for an activation that saves its input (GeLU) or
+1 + ratio for one that saves its output, which is the next input (ReLU); in
+16 bits with dropout that is the paper's s*b*h*(34 + 5*a*s/h) bytes.
+Offload rungs use the ZeRO-Offload arithmetic: the host keeps fp32 master,
+fp32 gradients and Adam states (16 bytes per parameter, divided by the ranks);
+with offload_param also the 16-bit parameters (ZeRO-Infinity).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import NamedTuple
+
+STAGES = (0, 1, 2, 3)
+HOST_STATE_BYTES = 16  # ZeRO-Offload: fp32 master 4 + fp32 gradient 4 + Adam 8 per parameter
+
+
+@dataclass(frozen=True, slots=True)
+class Precision:
+    name: str
+    param_bytes: int  # p: parameters and gradients
+    optimizer_bytes: int  # K
+
+
+MIXED = Precision("fp16/bf16 + Adam", 2, 12)
+FP32 = Precision("fp32 + Adam", 4, 8)
+
+
+class ModelStates(NamedTuple):
+    params_nbytes: float
+    grads_nbytes: float
+    optimizer_nbytes: float
+
+    @property
+    def total(self) -> float:
+        return self.params_nbytes + self.grads_nbytes + self.optimizer_nbytes
+
+
+def model_states(num_params: float, world_size: int, stage: int, precision: Precision = MIXED,
+                 resident_params: float = 0) -> ModelStates:
+    """Bytes per rank (see the Note); `resident_params` stay whole at stage 3."""
+    if stage not in STAGES:
+        raise ValueError(f"model_states: stage must be one of {STAGES}, got {stage!r}")
+    if world_size < 1 or num_params < 0:
+        raise ValueError(f"model_states: {world_size=} must be >= 1 and {num_params=} >= 0")
+    p, k, n = precision.param_bytes, precision.optimizer_bytes, world_size
+    params = p * num_params / n + p * resident_params * (1 - 1 / n) if stage == 3 else p * num_params
+    grads = p * num_params / n if stage >= 2 else p * num_params
+    optimizer = k * num_params / n if stage >= 1 else k * num_params
+    return ModelStates(params, grads, optimizer)
+
+
+def comm_elements(num_params: float, world_size: int, stage: int) -> float:
+    """Elements each rank sends per step: 2 psi (n-1)/n (all-reduce, or
+    reduce-scatter + all-gather), 3 psi (n-1)/n at stage 3 (parameters
+    gathered for forward and again for backward)."""
+    return (3 if stage == 3 else 2) * num_params * (world_size - 1) / world_size
+
+
+def reduction_factor(world_size: int, stage: int) -> float:
+    """Model-state memory of DDP over that of `stage` (mixed precision Adam)."""
+    return model_states(1, world_size, 0).total / model_states(1, world_size, stage).total
+
+
+@dataclass(frozen=True, slots=True)
+class TransformerShape:
+    seq: int
+    micro_batch: int
+    hidden: int
+    layers: int
+    heads: int
+    vocab: int = 0
+    mlp_ratio: float = 4.0
+    activation: str = "gelu"  # "gelu": saves its input; "relu": saves its output
+    dropout: bool = False
+
+    def __post_init__(self) -> None:
+        for key in ("seq", "micro_batch", "hidden", "layers", "heads"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"TransformerShape: {key} must be >= 1, got {getattr(self, key)!r}")
+        if self.activation not in ("gelu", "relu"):
+            raise ValueError(f"TransformerShape: activation must be 'gelu' or 'relu', got {self.activation!r}")
+
+
+class Activations(NamedTuple):
+    layer_nbytes: float  # what one block saves for backward
+    input_nbytes: float  # one block's input (what a per-block checkpoint keeps)
+    outside_nbytes: float  # outside the blocks: token ids, the head's input
+    total_nbytes: float  # the peak
+
+
+def activations(shape: TransformerShape, element_bytes: int, *, checkpointed: bool = False,
+                partition_world_size: int = 1) -> Activations:
+    """Activation bytes per rank (see the Note). Checkpointed per block: every
+    block's input (1/partition_world_size of it when partitioned) plus one
+    block recomputed at a time, whose saved tensors include its whole input."""
+    s, b, h, a = shape.seq, shape.micro_batch, shape.hidden, shape.heads
+    sbh, attention = s * b * h, a * s * s * b
+    mlp = 1 + (2 if shape.activation == "gelu" else 1) * shape.mlp_ratio
+    elements = sbh * (7 + mlp) + attention
+    masks = 0
+    if shape.dropout:  # two residual masks and the attention-probability mask (1 byte), its output
+        masks, elements = 2 * sbh + attention, elements + attention
+    layer = elements * element_bytes + masks
+    block_input, token_ids = sbh * element_bytes, s * b * 8
+    outside = token_ids + block_input  # int64 token ids, the head's input
+    if checkpointed:  # the peak: the end of forward, or the last block recomputed (its input whole
+        # again) after the head's backward freed its input
+        held = math.ceil(block_input / partition_world_size)
+        peak = max(shape.layers * held + outside, (shape.layers - 1) * held + layer + token_ids)
+        return Activations(layer, block_input, outside, peak)
+    return Activations(layer, block_input, outside, shape.layers * layer + outside)
+
+
+class Buffers(NamedTuple):
+    gradient_nbytes: float  # a transient gradient bucket (stages 2-3)
+    gathered_nbytes: float  # stage 3: gathered parameters alive at once
+
+    @property
+    def total(self) -> float:
+        return self.gradient_nbytes + self.gathered_nbytes
+
+
+def comm_buffers(num_params: float, stage: int, param_bytes: int, *, reduce_bucket_size: float,
+                 prefetch_bucket_size: float, max_live_parameters: float, largest_layer: float) -> Buffers:
+    """Stages 2-3 reduce from one transient bucket of reduce_bucket_size
+    elements; stage 3 holds the module in use plus the prefetched ones, at most
+    stage3_max_live_parameters."""
+    gradient = min(reduce_bucket_size, num_params) * param_bytes if stage >= 2 else 0
+    gathered = 0
+    if stage == 3:
+        gathered = min(max_live_parameters, largest_layer + prefetch_bucket_size, num_params) * param_bytes
+    return Buffers(gradient, gathered)
+
+
+# ---- the out-of-memory ladder -----------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """One configuration: what a rung of the ladder turns on."""
+
+    stage: int = 0
+    micro_batch: int = 1
+    accumulation: int = 1
+    checkpointing: bool = False
+    offload_optimizer: str = "none"  # "none" | "cpu" | "nvme"
+    offload_param: str = "none"
+    mixed_precision: bool = False
+
+
+class Need(NamedTuple):
+    device_nbytes: float
+    host_nbytes: float  # per rank
+    nvme_nbytes: float  # per rank
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    num_params: float
+    world_size: int
+    largest_layer: float = 0
+    resident_params: float = 0
+    shape: TransformerShape | None = None
+    mixed_precision: bool = True  # the model already trains in fp16/bf16
+    reduce_bucket_size: float = 5e8
+    prefetch_bucket_size: float = 5e7
+    max_live_parameters: float = 1e9
+
+
+def need(job: Job, plan: Plan) -> Need:
+    """Bytes per rank on the device, the host and NVMe for `plan`."""
+    precision = MIXED if plan.mixed_precision else FP32
+    p, psi, n = precision.param_bytes, job.num_params, job.world_size
+    states = model_states(psi, n, plan.stage, precision, job.resident_params)
+    device_params, device_grads, device_optimizer = states
+    offloaded = 0.0
+    if plan.offload_optimizer != "none":  # master, fp32 gradients and Adam states move off the device
+        device_grads, device_optimizer = 0.0, 0.0
+        offloaded += HOST_STATE_BYTES * psi / n
+    if plan.offload_param != "none":  # stage 3: only the gathered modules stay on the device
+        device_params = 0.0
+        offloaded += p * psi / n
+    buffers = comm_buffers(psi, plan.stage, p, reduce_bucket_size=job.reduce_bucket_size,
+                           prefetch_bucket_size=job.prefetch_bucket_size,
+                           max_live_parameters=job.max_live_parameters, largest_layer=job.largest_layer)
+    acts = 0.0
+    if job.shape is not None:
+        shape = replace(job.shape, micro_batch=plan.micro_batch)
+        acts = activations(shape, p, checkpointed=plan.checkpointing).total_nbytes
+    device = device_params + device_grads + device_optimizer + buffers.total + acts
+    on_nvme = plan.offload_optimizer == "nvme" or plan.offload_param == "nvme"
+    return Need(device, 0.0 if on_nvme else offloaded, offloaded if on_nvme else 0.0)
+
+
+class Rung(NamedTuple):
+    name: str
+    plan: Plan
+    need: Need
+    fits: bool
+
+
+def ladder(job: Job, micro_batch: int, device_nbytes: float, host_nbytes: float = math.inf,
+           nvme_nbytes: float = 0.0) -> list[Rung]:
+    """The users' out-of-memory ladder, in order; host and NVMe sizes are per
+    rank. Every rung after the second keeps micro batch 1 + accumulation and
+    checkpointing; the stage-3 rungs start again without offload."""
+    start = Plan(micro_batch=micro_batch, mixed_precision=job.mixed_precision)
+    small = replace(start, micro_batch=1, accumulation=micro_batch)
+    ckpt = replace(small, checkpointing=True)
+    z2 = replace(ckpt, stage=2)
+    z2_off = replace(z2, offload_optimizer="cpu")
+    z3 = replace(ckpt, stage=3)
+    z3_param = replace(z3, offload_param="cpu")
+    z3_both = replace(z3_param, offload_optimizer="cpu")
+    steps = [("stage 0 (DDP)", start), ("micro batch 1 + gradient accumulation", small),
+             ("+ activation checkpointing", ckpt), ("stage 2", z2), ("stage 2 + offload_optimizer (cpu)", z2_off),
+             ("stage 3", z3), ("stage 3 + offload_param (cpu)", z3_param),
+             ("stage 3 + offload_param + offload_optimizer (cpu)", z3_both)]
+    if not job.mixed_precision:
+        steps.append(("+ bf16", replace(z3_both, mixed_precision=True)))
+    last = steps[-1][1]
+    steps.append(("+ NVMe (offload_param + offload_optimizer)", replace(last, offload_param="nvme",
+                                                                      offload_optimizer="nvme")))
+    rungs = []
+    for name, plan in steps:
+        needed = need(job, plan)
+        fits = needed.device_nbytes <= device_nbytes and needed.host_nbytes <= host_nbytes \
+            and needed.nvme_nbytes <= nvme_nbytes
+        rungs.append(Rung(name, plan, needed, fits))
+    return rungs
+
+
+def first_fit(rungs: list[Rung]) -> Rung | None:
+    return next((r for r in rungs if r.fits), None)
+
+
+def deepspeed_config(plan: Plan, *, nvme_path: str = "/local_nvme") -> dict:
+    """A DeepSpeed JSON config for `plan`. No optimizer section: the caller
+    passes theirs, which DeepSpeed accepts under offload only with
+    zero_force_ds_cpu_optimizer false (an "optimizer" section instead gets
+    DeepSpeed's CPU Adam)."""
+    zero: dict = {"stage": plan.stage}
+    for key, device in (("offload_optimizer", plan.offload_optimizer), ("offload_param", plan.offload_param)):
+        if device == "cpu":
+            zero[key] = {"device": "cpu", "pin_memory": True}
+        elif device == "nvme":
+            zero[key] = {"device": "nvme", "nvme_path": nvme_path, "pin_memory": True}
+    config = {"train_micro_batch_size_per_gpu": plan.micro_batch, "gradient_accumulation_steps": plan.accumulation,
+              "gradient_clipping": 1.0, "zero_optimization": zero}
+    if plan.offload_optimizer != "none":
+        config["zero_force_ds_cpu_optimizer"] = False
+    if plan.mixed_precision:
+        config["bf16"] = {"enabled": True}
+    if plan.checkpointing:
+        config["activation_checkpointing"] = {"partition_activations": False, "cpu_checkpointing": False,
+                                              "contiguous_memory_optimization": False}
+    return config
