@@ -16,13 +16,14 @@ its ZeRO shard of that bucket; `BufferLayout.shard(rank)` lists those spans.
 
 Buckets come either from sizes (`plan_buckets`: DDP, ZeRO stages 0-2) or from
 explicit parameter groups (`plan_groups`, `plan_module_buckets`: one stage-3
-module per bucket). A bucket is `resident` when every rank keeps all of its
+module per bucket, tied parameters in their first module's). A bucket is `resident` when every rank keeps all of its
 values between uses; otherwise ranks keep only their chunk (ZeRO stage 3).
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .schedule import Span  # re-exported: layouts speak in spans
 
@@ -158,29 +159,41 @@ def plan_groups(param_numels: Sequence[int], groups: Sequence[Sequence[int]], *,
     return _place(numels, [list(g) for g in groups], world_size, tuple(flat), flags)
 
 
+class ModuleBuckets(NamedTuple):
+    """A stage-3 plan: the layout; per bucket, the module whose parameters it
+    holds (None: the resident bucket); per module, the buckets it uses."""
+
+    layout: BufferLayout
+    owners: tuple[int | None, ...]
+    uses: tuple[tuple[int, ...], ...]
+
+
 def plan_module_buckets(module_params: Sequence[Sequence[int]], param_numels: Sequence[int], *, world_size: int,
-                        persistence_threshold: int) -> tuple[BufferLayout, tuple[int | None, ...]]:
+                        persistence_threshold: int) -> ModuleBuckets:
     """ZeRO stage 3: one sharded bucket per module (`module_params[m]`: the
-    indices of module m's own parameters), in module order, then one resident
-    bucket with the parameters smaller than `persistence_threshold` and those of
-    several modules (tied weights: no single module's hooks can own them).
-    Returns the layout and, per bucket, its module (None: the resident one)."""
-    owners: dict[int, int] = {}
-    for indices in module_params:
-        for i in indices:
-            owners[i] = owners.get(i, 0) + 1
-    groups, modules, persistent = [], [], []
+    indices of the parameters module m uses itself), in module order, then one
+    resident bucket with the persistent parameters: those of at most
+    `persistence_threshold` elements (DeepSpeed's rule). A parameter of several
+    modules (tied weights) is sharded once, in the bucket of the first module
+    that uses it, and every module using it gathers that bucket."""
+    bucket_of: dict[int, int] = {}
+    groups: list[list[int]] = []
+    owners: list[int | None] = []
+    persistent: list[int] = []
     for module, indices in enumerate(module_params):
-        sharded = [i for i in indices if param_numels[i] >= persistence_threshold and owners[i] == 1]
-        persistent.extend(i for i in indices if i not in sharded and i not in persistent)
+        fresh = [i for i in dict.fromkeys(indices) if i not in bucket_of and i not in persistent]
+        persistent.extend(i for i in fresh if param_numels[i] <= persistence_threshold)
+        sharded = [i for i in fresh if param_numels[i] > persistence_threshold]
         if sharded:
+            bucket_of.update((i, len(groups)) for i in sharded)
             groups.append(sharded)
-            modules.append(module)
+            owners.append(module)
     if persistent:
         groups.append(persistent)
-        modules.append(None)
-    layout = plan_groups(param_numels, groups, world_size=world_size, resident=[m is None for m in modules])
-    return layout, tuple(modules)
+        owners.append(None)
+    layout = plan_groups(param_numels, groups, world_size=world_size, resident=[m is None for m in owners])
+    uses = tuple(tuple(dict.fromkeys(bucket_of[i] for i in indices if i in bucket_of)) for indices in module_params)
+    return ModuleBuckets(layout, tuple(owners), uses)
 
 
 def _place(numels: list[int], groups: list[list[int]], world_size: int, order: tuple[int, ...],

@@ -97,7 +97,7 @@ def parity_worker(rank: int, world_size: int, stages: tuple[int, ...]) -> None:
                 for accumulation in (1, 3):
                     check_case(rank, world_size, kind, stage, dtype_name, accumulation, "ringcomm", reference)
             check_case(rank, world_size, kind, stage, "bf16", 3, "torch", reference)
-    for stage in (2, 3):  # a weight shared by two modules stays whole at stage 3
+    for stage in (2, 3):  # a weight shared by two modules: sharded once at stage 3, gathered by both
         check_case(rank, world_size, "tied", stage, "fp32", 3, "ringcomm", reference)
     check_case(rank, world_size, "torch_attention", 3, "fp32", 1, "ringcomm", reference)  # one unit per MHA
 

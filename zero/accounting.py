@@ -16,10 +16,13 @@ class MemoryReport:
     optimizer_nbytes: int  # fp32 master weights (when not the parameters) + optimizer states
     comm_buffer_nbytes: int  # peaks of transient gradient buckets + of gathered stage 3 units
     checkpoint_nbytes: int = 0  # activation side: peak of checkpointed inputs held (zero.checkpointing)
+    # stage 3: what the persistent parameters (stage3_param_persistence_threshold) hold whole beyond the
+    # shard that params_nbytes counts, so params + grads + optimizer is the paper's 16 psi / N
+    persistent_params_nbytes: int = 0
 
     @property
     def model_state_nbytes(self) -> int:
-        return self.params_nbytes + self.grads_nbytes + self.optimizer_nbytes
+        return self.params_nbytes + self.grads_nbytes + self.optimizer_nbytes + self.persistent_params_nbytes
 
 
 class _Storages:
@@ -44,9 +47,15 @@ def memory_report(group: ParamGroup, optimizer: torch.optim.Optimizer, gathered_
     """Measured between steps (stage 3 units resharded, no transient buckets)."""
     storages = _Storages()
     params = storages.nbytes(b.full if b.span.resident else b.shard for b in group.buckets)
+    persistent = 0
+    if group.policy.shard_params:  # resident buckets hold their parameters whole: count a shard, the rest apart
+        persistent = sum((b.span.numel - b.shard.numel()) * b.shard.element_size()
+                         for b in group.buckets if b.span.resident)
+        params -= persistent
     persistent_grads = [b.grads.accumulator if group.policy.shard_grads else b.grads.grad for b in group.buckets]
     grads = storages.nbytes(persistent_grads)
     states = [t for state in optimizer.state.values() for t in state.values()
               if isinstance(t, torch.Tensor) and t.dim() > 0]
     optimizer_nbytes = storages.nbytes(b.master for b in group.buckets) + storages.nbytes(states)
-    return MemoryReport(params, grads, optimizer_nbytes, group.scheduler.peak_transient_nbytes + gathered_nbytes)
+    return MemoryReport(params, grads, optimizer_nbytes, group.scheduler.peak_transient_nbytes + gathered_nbytes,
+                        persistent_params_nbytes=persistent)

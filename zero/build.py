@@ -55,16 +55,16 @@ def trainable_params(model: nn.Module) -> list[nn.Parameter]:
 
 
 def plan_layout(model: nn.Module, params: list[nn.Parameter], cfg: config_mod.EngineConfig,
-                world_size: int) -> tuple[BufferLayout, list[nn.Module | None]]:
-    """The buckets (ringcomm.layout) and, for stage 3, each bucket's module
-    (None: the resident bucket)."""
+                world_size: int) -> tuple[BufferLayout, dict[nn.Module, tuple[int, ...]]]:
+    """The buckets (ringcomm.layout) and, for stage 3, the buckets each module
+    gathers around its use (persistent parameters stay whole in a resident bucket)."""
     numels = [zero_init.full_numel(p) for p in params]
     if not cfg.zero.policy.shard_params:
-        return plan_buckets(numels, world_size=world_size, bucket_numel=cfg.zero.reduce_bucket_size), []
+        return plan_buckets(numels, world_size=world_size, bucket_numel=cfg.zero.reduce_bucket_size), {}
     modules, groups = module_groups(model, params)
-    layout, owners = plan_module_buckets(groups, numels, world_size=world_size,
-                                         persistence_threshold=cfg.zero.param_persistence_threshold)
-    return layout, [None if m is None else modules[m] for m in owners]
+    plan = plan_module_buckets(groups, numels, world_size=world_size,
+                               persistence_threshold=cfg.zero.param_persistence_threshold)
+    return plan.layout, {modules[m]: uses for m, uses in enumerate(plan.uses) if uses}
 
 
 WHOLE_MODULES = (nn.MultiheadAttention,)  # use their children's parameters without calling the children
@@ -129,7 +129,7 @@ def build_engine(model: nn.Module, optimizer=None, model_parameters=None, lr_sch
     device = params[0].device if params else torch.device("cpu")
     comm = make_comm(comm_backend or cfg.comm_backend or "ringcomm", device)
     comm.overlap = cfg.zero.overlap_comm
-    layout, owners = plan_layout(model, params, cfg, world_size)
+    layout, module_uses = plan_layout(model, params, cfg, world_size)
     buckets = build_buckets(params, layout, rank, comm)
     group = ParamGroup(buckets, cfg.zero.policy, comm, timeout_s=comm.timeout_s)
     optim.rebind(optimizer, params, group.setup_masters())
@@ -137,7 +137,7 @@ def build_engine(model: nn.Module, optimizer=None, model_parameters=None, lr_sch
     gatherer = None
     if cfg.zero.policy.shard_params:
         zero_init.attach(group)
-        gatherer = ModuleGatherer({m: b for m, b in zip(owners, buckets) if m is not None}, group,
+        gatherer = ModuleGatherer({m: [buckets[i] for i in uses] for m, uses in module_uses.items()}, group,
                                   prefetch_numel=cfg.zero.prefetch_bucket_size,
                                   max_live_numel=cfg.zero.max_live_parameters)
         gatherer.register()

@@ -5,6 +5,8 @@ order recorded on the previous forward. The hooks only call ParamGroup's verbs.
     forward:   pre(m_i): unshard(b_i), start_unshard(b_{i+1})  ...  post(m_i): reshard(b_i)
     backward:  hook on m_i's output gradients: unshard(b_i), start_unshard(b_{i-1})
                last gradient of b_i (the scheduler): reduce-scatter, reshard(b_i)
+A module may use several buckets (a tied weight lives in its first module's
+bucket): it gathers all of them.
 """
 from __future__ import annotations
 
@@ -16,16 +18,20 @@ from .param_group import ParamGroup, ZeroBucket
 
 
 class ModuleGatherer:
-    """Owns the module -> bucket map and the forward order used for prefetch."""
+    """Owns the module -> buckets map (a module gathers the buckets of the
+    parameters it uses: its own, and a tied weight's in its first module's
+    bucket) and the forward order used for prefetch."""
 
-    def __init__(self, module_buckets: dict[nn.Module, ZeroBucket], group: ParamGroup, *, prefetch_numel: int,
+    def __init__(self, module_buckets: dict[nn.Module, list[ZeroBucket]], group: ParamGroup, *, prefetch_numel: int,
                  max_live_numel: int) -> None:
         self.module_buckets = module_buckets
+        self.buckets = list({id(b): b for bs in module_buckets.values() for b in bs}.values())
         self.group = group
         self.prefetch_numel = prefetch_numel  # stage3_prefetch_bucket_size
         self.max_live_numel = max_live_numel  # stage3_max_live_parameters
         self.order: list[ZeroBucket] = []  # forward order of the last forward
         self.current: list[ZeroBucket] = []
+        self.in_use: dict[int, int] = {}  # id(bucket) -> modules in forward using it (nested modules may share one)
         self.handles: list = []
         self.peak_live_nbytes = 0  # gathered buckets at once, the communication buffers of stage 3
 
@@ -38,6 +44,7 @@ class ModuleGatherer:
         if self.current:
             self.order = self.current
         self.current = []
+        self.in_use.clear()  # a forward that raised left its counts behind
 
     def _prefetch(self, bucket: ZeroBucket, direction: int) -> None:
         """Starts gathering the buckets after `bucket` in `direction` (+1 forward,
@@ -61,28 +68,36 @@ class ModuleGatherer:
         self._note_live()
 
     def _note_live(self) -> None:
-        live = sum(b.full.nbytes for b in self.module_buckets.values() if b.full is not None)
+        live = sum(b.full.nbytes for b in self.buckets if b.full is not None)
         self.peak_live_nbytes = max(self.peak_live_nbytes, live)
 
+    def _unshard(self, buckets: list[ZeroBucket], direction: int) -> None:
+        for bucket in buckets:
+            self.group.unshard(bucket)
+        self._prefetch(buckets[-1], direction)
+
     def _pre_forward(self, module: nn.Module, args: tuple) -> None:
-        bucket = self.module_buckets[module]
-        if bucket not in self.current:
-            self.current.append(bucket)
-        self.group.unshard(bucket)
-        self._prefetch(bucket, +1)
+        buckets = self.module_buckets[module]
+        for bucket in buckets:
+            if bucket not in self.current:
+                self.current.append(bucket)
+            self.in_use[id(bucket)] = self.in_use.get(id(bucket), 0) + 1
+        self._unshard(buckets, +1)
 
     def _post_forward(self, module: nn.Module, args: tuple, output: object) -> None:
-        bucket = self.module_buckets[module]
+        buckets = self.module_buckets[module]
         if torch.is_grad_enabled():
             for tensor in tree_flatten(output)[0]:
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                    tensor.register_hook(self._pre_backward(bucket))
-        self.group.reshard(bucket)
+                    tensor.register_hook(self._pre_backward(buckets))
+        for bucket in buckets:
+            self.in_use[id(bucket)] -= 1
+            if not self.in_use[id(bucket)]:
+                self.group.reshard(bucket)
 
-    def _pre_backward(self, bucket: ZeroBucket):
+    def _pre_backward(self, buckets: list[ZeroBucket]):
         def hook(grad: torch.Tensor) -> None:
-            self.group.unshard(bucket)
-            self._prefetch(bucket, -1)
+            self._unshard(buckets, -1)
         return hook
 
     def remove(self) -> None:

@@ -50,7 +50,6 @@ class ModelCount:
     """A model's parameters, counted on the meta device (no weights allocated)."""
 
     param_numels: tuple[int, ...]  # each distinct parameter once
-    shared: tuple[bool, ...]  # used by more than one module (tied): stage 3 keeps it whole
     largest_layer: int  # the most parameters one module owns
 
     @property
@@ -58,8 +57,9 @@ class ModelCount:
         return sum(self.param_numels)
 
     def resident(self, persistence_threshold: int) -> int:
-        """Parameters stage 3 keeps whole: under the threshold, or tied."""
-        return sum(n for n, tied in zip(self.param_numels, self.shared) if tied or n < persistence_threshold)
+        """Parameters stage 3 keeps whole: numel <= the threshold (DeepSpeed's rule;
+        tied weights are sharded like the others)."""
+        return sum(n for n in self.param_numels if n <= persistence_threshold)
 
 
 def count_model(build: str | Callable) -> ModelCount:
@@ -76,15 +76,9 @@ def count_model(build: str | Callable) -> ModelCount:
         model = build()
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"zero.estimate: the model builder returned {type(model).__name__}, not an nn.Module")
-    owners: dict[int, int] = {}
-    largest = 0
-    for module in model.modules():
-        own = list(module.parameters(recurse=False))
-        largest = max(largest, sum(p.numel() for p in own))
-        for p in own:
-            owners[id(p)] = owners.get(id(p), 0) + 1
+    largest = max((sum(p.numel() for p in module.parameters(recurse=False)) for module in model.modules()), default=0)
     params = list(model.parameters())  # each shared parameter once
-    return ModelCount(tuple(p.numel() for p in params), tuple(owners.get(id(p), 0) > 1 for p in params), largest)
+    return ModelCount(tuple(p.numel() for p in params), largest)
 
 
 HF_KEYS = {  # TransformerShape field <- Hugging Face config names (GPT-2's first)
