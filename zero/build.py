@@ -16,6 +16,8 @@ from . import optim
 from .backend import make_comm
 from .engine import EngineParts, ZeroEngine
 from .gather import ModuleGatherer
+from .infinity import NvmeParamGroup
+from .offload import HostParamGroup
 from .param_group import ParamGroup, build_buckets
 from .precision import make_scaler
 
@@ -95,6 +97,19 @@ def module_groups(model: nn.Module, params: list[nn.Parameter]) -> tuple[list[nn
     return modules, groups
 
 
+def make_group(buckets: list, cfg: config_mod.EngineConfig, comm, optimizer: torch.optim.Optimizer) -> ParamGroup:
+    """The ParamGroup for the config's offload sections."""
+    zero = cfg.zero
+    if zero.offload_optimizer == "none" and zero.offload_param == "none":
+        return ParamGroup(buckets, zero.policy, comm, timeout_s=comm.timeout_s)
+    if "nvme" not in (zero.offload_optimizer, zero.offload_param):
+        return HostParamGroup(buckets, zero.policy, comm, timeout_s=comm.timeout_s,
+                              options=zero.offload_optimizer_options)
+    return NvmeParamGroup(buckets, zero.policy, comm, timeout_s=comm.timeout_s, options=zero.offload_optimizer_options,
+                          optimizer=optimizer, param_options=zero.offload_param_options, aio=cfg.aio,
+                          sub_group_size=zero.sub_group_size)
+
+
 def make_optimizer(optimizer, model_parameters, params: list[nn.Parameter],
                    cfg: config_mod.EngineConfig) -> torch.optim.Optimizer:
     if optimizer is not None:
@@ -137,7 +152,7 @@ def build_engine(model: nn.Module, optimizer=None, model_parameters=None, lr_sch
     comm.overlap = cfg.zero.overlap_comm
     layout, owners = plan_layout(model, params, cfg, world_size)
     buckets = build_buckets(params, layout, rank, comm)
-    group = ParamGroup(buckets, cfg.zero.policy, comm, timeout_s=comm.timeout_s)
+    group = make_group(buckets, cfg, comm, optimizer)
     optim.rebind(optimizer, params, group.setup_masters())
     group.register_hooks(params)
     gatherer = None

@@ -27,6 +27,7 @@ from ringcomm.overlap import BucketScheduler
 from ringcomm.schedule import Span
 
 from .backend import Comm, Handle
+from .optim import unscaled
 from .partition import ShardingPolicy
 
 
@@ -159,7 +160,7 @@ class ParamGroup:
                 source = bucket.shard
             else:
                 source = bucket.full if bucket.full is not None else bucket.shard
-            bucket.master = source if source.dtype == torch.float32 else source.float()
+            bucket.master = self.make_master(bucket, source)
             bucket.master_views = []
             owned = bucket.owned
             for index, local, _ in bucket.layout.local_slices(bucket.span.index, owned):
@@ -167,6 +168,29 @@ class ParamGroup:
                 bucket.master_views.append((bucket.master[begin:end].requires_grad_(), begin, end))
                 out.append((index, bucket.master_views[-1][0]))
         return out
+
+    def make_master(self, bucket: ZeroBucket, source: torch.Tensor) -> torch.Tensor:
+        """The fp32 master of `source` (the owned values): on the model's device,
+        the values themselves when they are fp32. Offload places it elsewhere."""
+        return source if source.dtype == torch.float32 else source.float()
+
+    def offloaded(self, bucket: ZeroBucket) -> bool:
+        """Whether the bucket's master and optimizer states live off the model's device."""
+        return False
+
+    def disk_nbytes(self) -> int:
+        """Model-state bytes this rank keeps in NVMe swap files."""
+        return 0
+
+    def staging_nbytes(self) -> int:
+        """Host buffers that stream swapped states (NVMe offload)."""
+        return 0
+
+    def offloaded_states(self) -> contextlib.AbstractContextManager:
+        """Inside: every bucket's `master` and the optimizer's state are ordinary
+        tensors (checkpoints read and write them there); on exit, states changed
+        inside go back to wherever they are offloaded."""
+        return contextlib.nullcontext()
 
     def owned_grads_fp32(self) -> list[torch.Tensor]:
         grads = [b.owned_grad() for b in self.buckets]
@@ -185,11 +209,13 @@ class ParamGroup:
         """Hands the optimizer the owned gradients times `coef` (unscale, clip),
         steps, and publishes the updated masters into the parameters."""
         for bucket, g in zip(self.buckets, grads):
-            if coef != 1.0:
-                g.mul_(coef)  # g is a scratch fp32 copy or the owned gradient, zeroed after the step
             for view, begin, end in bucket.master_views:
                 view.grad = g[begin:end]
-        optimizer.step()
+        with unscaled(optimizer, coef) as fused:
+            if not fused:
+                for g in grads:
+                    g.mul_(coef)  # g is a scratch fp32 copy or the owned gradient, zeroed after the step
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         self.publish_masters()
         self.zero_grads()
