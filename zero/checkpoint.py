@@ -20,16 +20,17 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
     directory = os.path.join(save_dir, tag)
     os.makedirs(directory, exist_ok=True)
     scheduler = engine.lr_scheduler
-    state = {
-        "masters": [bucket.master.clone() for bucket in group.buckets],  # a view would save its whole buffer
-        "optimizer": engine.optimizer.state_dict(),
-        "scaler": engine.parts.scaler.state_dict(),
-        "scheduler": scheduler.state_dict() if scheduler is not None and hasattr(scheduler, "state_dict") else None,
-        "counters": {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
-                     "skipped_steps": engine.skipped_steps},
-        "client_state": client_state or {},
-    }
-    torch.save(state, rank_file(directory, comm.rank, comm.world_size))
+    with group.offloaded_states():  # offloaded masters and states as ordinary tensors while saved
+        state = {
+            "masters": [bucket.master.clone() for bucket in group.buckets],  # a view would save its whole buffer
+            "optimizer": engine.optimizer.state_dict(),
+            "scaler": engine.parts.scaler.state_dict(),
+            "scheduler": scheduler.state_dict() if scheduler is not None and hasattr(scheduler, "state_dict") else None,
+            "counters": {"global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
+                         "skipped_steps": engine.skipped_steps},
+            "client_state": client_state or {},
+        }
+        torch.save(state, rank_file(directory, comm.rank, comm.world_size))
     full = engine.full_params_fp32()  # collective
     if comm.rank == 0:
         names = engine.parts.param_names
@@ -58,10 +59,10 @@ def load(engine, load_dir: str, tag: str | None = None) -> tuple[str, dict]:
     if len(state["masters"]) != len(group.buckets):
         raise ValueError(f"load_checkpoint: {directory} has {len(state['masters'])} buckets, this engine "
                          f"{len(group.buckets)} (another stage or bucket size?) on rank {comm.rank}")
-    with torch.no_grad():
+    with torch.no_grad(), group.offloaded_states():  # written back to where they are offloaded on exit
         for bucket, master in zip(group.buckets, state["masters"]):
             bucket.master.copy_(master)
-    engine.optimizer.load_state_dict(state["optimizer"])
+        engine.optimizer.load_state_dict(state["optimizer"])
     engine.parts.scaler.load_state_dict(state["scaler"])
     if state["scheduler"] is not None and engine.lr_scheduler is not None:
         engine.lr_scheduler.load_state_dict(state["scheduler"])

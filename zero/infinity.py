@@ -103,6 +103,7 @@ class NvmeParamGroup(HostParamGroup):
         self.param_options, self.aio, self.sub_group_size = param_options, aio, sub_group_size
         self.states: NvmeStates | None = None
         self.shards: ShardSwap | None = None
+        self.materialized = False
         if self.options.device == "nvme":
             check_optimizer(optimizer)
 
@@ -201,13 +202,16 @@ class NvmeParamGroup(HostParamGroup):
 
     @contextlib.contextmanager
     def _masters_in_memory(self, *, write_back: bool) -> Iterator[None]:
-        if self.states is None:
+        """Re-entrant: inside an outer one (a checkpoint calling full_masters) it does nothing."""
+        if self.states is None or self.materialized:
             yield
             return
         self.states.materialize(self.optimizer)
+        self.materialized = True
         try:
             yield
         finally:
+            self.materialized = False
             self.states.release(self.optimizer, write_back=write_back)
 
     def close(self) -> None:
