@@ -104,9 +104,9 @@ def make_group(buckets: list, cfg: config_mod.EngineConfig, comm, optimizer: tor
         return ParamGroup(buckets, zero.policy, comm, timeout_s=comm.timeout_s)
     if "nvme" not in (zero.offload_optimizer, zero.offload_param):
         return HostParamGroup(buckets, zero.policy, comm, timeout_s=comm.timeout_s,
-                              options=zero.offload_optimizer_options)
+                              options=zero.offload_optimizer_options, param_options=zero.offload_param_options)
     return NvmeParamGroup(buckets, zero.policy, comm, timeout_s=comm.timeout_s, options=zero.offload_optimizer_options,
-                          optimizer=optimizer, param_options=zero.offload_param_options, aio=cfg.aio,
+                          param_options=zero.offload_param_options, optimizer=optimizer, aio=cfg.aio,
                           sub_group_size=zero.sub_group_size)
 
 

@@ -50,14 +50,13 @@ class ShardSwap:
     def swapped(self, bucket: ZeroBucket) -> bool:
         return bucket.span.index in self.offsets
 
-    def swap_out(self, bucket: ZeroBucket, values: torch.Tensor) -> None:
+    def write(self, bucket: ZeroBucket, values: torch.Tensor) -> None:
         """Writes `values` (the whole shard) to the bucket's region."""
         raw = aligned_empty(values.nbytes)
         raw[:values.nbytes].view(values.dtype).copy_(values)
         self.io.write(self.file, self.offsets[bucket.span.index], raw[:round_up(values.nbytes)]).wait()
-        bucket.shard = torch.empty(0, dtype=values.dtype, device=values.device)
 
-    def swap_in(self, bucket: ZeroBucket, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def read(self, bucket: ZeroBucket, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """The bucket's shard, read into a pool buffer (held until release)."""
         raw = self.free.pop()
         nbytes = numel * dtype.itemsize
@@ -65,14 +64,15 @@ class ShardSwap:
         self.in_use[bucket.span.index] = raw
         return raw[:nbytes].view(dtype)
 
-    def release(self, bucket: ZeroBucket) -> None:
+    def release(self, bucket: ZeroBucket) -> bool:
+        """Returns the bucket's buffer to the pool; False when it held none."""
         raw = self.in_use.pop(bucket.span.index, None)
         if raw is not None:
             self.free.append(raw)
-            bucket.shard = torch.empty(0, dtype=bucket.shard.dtype, device=bucket.shard.device)
+        return raw is not None
 
     def stage(self, bucket: ZeroBucket, begin: int, values: torch.Tensor) -> None:
-        """Collects updated pieces of a swapped shard; flush() writes them."""
+        """Collects updated pieces of a swapped shard (the padding stays zero); flush() writes them."""
         shard = self.staged.get(bucket.span.index)
         if shard is None:
             shard = self.staged[bucket.span.index] = torch.zeros(bucket.owned.numel, dtype=bucket.shard.dtype)
@@ -80,7 +80,7 @@ class ShardSwap:
 
     def flush(self, buckets: list[ZeroBucket]) -> None:
         for index, shard in self.staged.items():
-            self.swap_out(buckets[index], shard)
+            self.write(buckets[index], shard)
         self.staged.clear()
 
     @property
@@ -96,11 +96,11 @@ class NvmeParamGroup(HostParamGroup):
     """offload_optimizer nvme (states in a swap file) and/or offload_param nvme
     (stage 3 shards in a swap file)."""
 
-    def __init__(self, *args, optimizer: torch.optim.Optimizer, param_options: OffloadOptions, aio: AioOptions,
-                 sub_group_size: int, **kwargs) -> None:
+    def __init__(self, *args, optimizer: torch.optim.Optimizer, aio: AioOptions, sub_group_size: int,
+                 **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.optimizer = optimizer  # whose state the swapped moments are
-        self.param_options, self.aio, self.sub_group_size = param_options, aio, sub_group_size
+        self.aio, self.sub_group_size = aio, sub_group_size
         self.states: NvmeStates | None = None
         self.shards: ShardSwap | None = None
         self.materialized = False
@@ -123,7 +123,8 @@ class NvmeParamGroup(HostParamGroup):
             self.shards = ShardSwap(self.buckets, self.param_options, self.aio, rank=rank)
             for bucket in self.buckets:
                 if self.shards.swapped(bucket):
-                    self.shards.swap_out(bucket, bucket.shard)
+                    self.shards.write(bucket, bucket.shard)
+                    bucket.shard = self.placeholder(bucket)
         return out
 
     def offloaded(self, bucket: ZeroBucket) -> bool:
@@ -140,18 +141,21 @@ class NvmeParamGroup(HostParamGroup):
         if self.shards is not None and self.shards.swapped(bucket) and bucket.full is None and bucket.gather is None:
             if not self.shards.free:
                 self.unshard(self.buckets[next(iter(self.shards.in_use))])
-            bucket.shard = self.shards.swap_in(bucket, bucket.span.local_chunk(bucket.rank).numel, bucket.shard.dtype)
+            shard = self.shards.read(bucket, bucket.span.local_chunk(bucket.rank).numel, bucket.shard.dtype)
+            bucket.shard = shard.to(self.device)  # a CUDA model: to the device, and the buffer could go now
         super().start_unshard(bucket)
 
     def unshard(self, bucket: ZeroBucket) -> None:
         super().unshard(bucket)
-        if self.shards is not None:
-            self.shards.release(bucket)
+        self._release(bucket)
 
     def reshard(self, bucket: ZeroBucket) -> None:
         super().reshard(bucket)
-        if self.shards is not None:
-            self.shards.release(bucket)
+        self._release(bucket)
+
+    def _release(self, bucket: ZeroBucket) -> None:
+        if self.shards is not None and self.shards.release(bucket):
+            bucket.shard = self.placeholder(bucket)
 
     # ---- the step ----------------------------------------------------------------------------
     def owned_grads_fp32(self) -> Sequence[torch.Tensor]:
@@ -174,9 +178,7 @@ class NvmeParamGroup(HostParamGroup):
         if self.shards is not None and self.shards.swapped(bucket):
             self.shards.stage(bucket, begin, values)
         else:
-            target = bucket.shard if self.policy.shard_optimizer else \
-                (bucket.full if bucket.full is not None else bucket.shard)
-            target[begin:begin + values.numel()].copy_(values)
+            self.publish_target(bucket)[begin:begin + values.numel()].copy_(values)
 
     def finish_publish(self) -> None:
         """Writes staged shards; all-gathers resident buckets."""

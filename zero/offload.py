@@ -23,13 +23,55 @@ from .param_group import ParamGroup, ZeroBucket
 
 class HostParamGroup(ParamGroup):
     """offload_optimizer device cpu: the first `ratio` of the owned elements (in
-    bucket order) have host masters and states."""
+    bucket order) have host masters and states. offload_param device cpu (stage
+    3, a CUDA model): the shards of non-resident buckets live in host memory and
+    go to the device when gathered."""
 
-    def __init__(self, *args, options: OffloadOptions, **kwargs) -> None:
+    def __init__(self, *args, options: OffloadOptions, param_options: OffloadOptions | None = None,
+                 **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.options = options
-        self.on_host = host_buckets([b.span.local_chunk(b.rank).numel for b in self.buckets], options.ratio)
+        self.device = self.buckets[0].shard.device if self.buckets else torch.device("cpu")
+        offloaded = options.device != "none"
+        self.on_host = host_buckets([b.span.local_chunk(b.rank).numel for b in self.buckets],
+                                    options.ratio) if offloaded else set()
         self.grad_copies: offload_cuda.GradCopies | None = None
+        self.param_options = param_options or OffloadOptions()
+        self.host_shards: dict[int, torch.Tensor] = {}  # bucket index -> its shard in host memory (CUDA models)
+
+    def setup_masters(self) -> list[tuple[int, torch.Tensor]]:
+        out = super().setup_masters()
+        if self.param_options.device == "cpu" and self.policy.shard_params and self.device.type != "cpu":
+            for bucket in self.buckets:
+                if not bucket.span.resident:
+                    self.host_shards[bucket.span.index] = offload_cuda.host_copy(
+                        bucket.shard, bucket.shard.dtype, pin=self.param_options.pin_memory)
+                    bucket.shard = self.placeholder(bucket)
+        return out
+
+    def placeholder(self, bucket: ZeroBucket) -> torch.Tensor:
+        """An offloaded shard's stand-in between uses: no memory, the shard's dtype and device."""
+        return torch.empty(0, dtype=bucket.shard.dtype, device=self.device)
+
+    def start_unshard(self, bucket: ZeroBucket) -> None:
+        host = self.host_shards.get(bucket.span.index)
+        if host is not None and bucket.full is None and bucket.gather is None:
+            bucket.shard = host.to(self.device, non_blocking=self.param_options.pin_memory)
+        super().start_unshard(bucket)
+
+    def unshard(self, bucket: ZeroBucket) -> None:
+        super().unshard(bucket)
+        if bucket.span.index in self.host_shards:
+            bucket.shard = self.placeholder(bucket)
+
+    def reshard(self, bucket: ZeroBucket) -> None:
+        super().reshard(bucket)
+        if bucket.span.index in self.host_shards:
+            bucket.shard = self.placeholder(bucket)
+
+    def publish_target(self, bucket: ZeroBucket) -> torch.Tensor:
+        host = self.host_shards.get(bucket.span.index)
+        return host if host is not None else super().publish_target(bucket)
 
     def offloaded(self, bucket: ZeroBucket) -> bool:
         return bucket.span.index in self.on_host

@@ -224,14 +224,18 @@ class ParamGroup:
         """Copies updated masters into the parameters; all-gathers resident buckets."""
         works = []
         for bucket in self.buckets:
-            target = bucket.shard if self.policy.shard_optimizer else \
-                (bucket.full if bucket.full is not None else bucket.shard)
+            target = self.publish_target(bucket)
             if target.data_ptr() != bucket.master.data_ptr():
                 target.copy_(bucket.master)
             if self.policy.shard_optimizer and bucket.span.resident:
                 works.append(self.comm.all_gather(bucket.full, bucket.shard, async_op=True))
         for work in works:
             work.wait()
+
+    def publish_target(self, bucket: ZeroBucket) -> torch.Tensor:
+        """The 16-bit (or fp32) values the bucket's master is published into: its owned span."""
+        return bucket.shard if self.policy.shard_optimizer else \
+            (bucket.full if bucket.full is not None else bucket.shard)
 
     def full_masters(self) -> list[torch.Tensor]:
         """Every parameter's whole fp32 master, in parameter-index order (collective;
