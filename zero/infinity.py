@@ -189,10 +189,19 @@ class NvmeParamGroup(HostParamGroup):
         for work in works:
             work.wait()
 
-    def publish_masters(self) -> None:
+    def host_outputs(self) -> dict[int, torch.Tensor]:
+        outputs = super().host_outputs()
+        for bucket in self.buckets:
+            if self.shards is not None and self.shards.swapped(bucket):
+                for view, _, _ in bucket.master_views:
+                    outputs.pop(id(view), None)
+        return outputs
+
+    def publish_masters(self, published: set[int] = frozenset()) -> None:
         with self._masters_in_memory(write_back=False):
             for index, bucket in enumerate(self.buckets):
-                self.copy_out(index, 0, bucket.master)
+                if index not in published:
+                    self.copy_out(index, 0, bucket.master)
             self.finish_publish()
 
     def full_masters(self) -> list[torch.Tensor]:

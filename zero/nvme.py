@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import AioOptions, OffloadOptions
-from .optim import unscaled
+from . import host_step
 from .param_group import ZeroBucket
 from .swap import IOPool, SwapFile, Transfer, aligned_empty, round_up
 
@@ -66,7 +66,7 @@ def plan_sub_groups(numels: list[list[int]], sub_group_size: int) -> list[SubGro
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """The states streamed are Adam's: other optimizers keep theirs in memory."""
+    """The states streamed are Adam's, updated by zero/host_step.py."""
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or \
             any(g.get("amsgrad") or g.get("maximize") for g in optimizer.param_groups):
         raise ValueError(f"zero config: zero_optimization.offload_optimizer.device nvme streams Adam/AdamW states "
@@ -159,11 +159,7 @@ class NvmeStates:
             if prefetch and index + 1 < count:
                 read = self.start_read(index + 1)
             views = self.bind(index, optimizer, grads)
-            with unscaled(optimizer, coef) as fused:
-                if not fused:
-                    for view in views:
-                        view.grad.mul_(coef)
-                optimizer.step()
+            host_step.adam_step(optimizer, coef, {})
             for ((k, j), _, _), view in zip(self.slices(index), views):
                 copy_out(k, self.buckets[k].master_views[j][1], view.detach())
             self.unbind(index, optimizer)

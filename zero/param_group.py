@@ -26,6 +26,7 @@ from ringcomm.layout import BufferLayout
 from ringcomm.overlap import BucketScheduler
 from ringcomm.schedule import Span
 
+from . import host_step
 from .backend import Comm, Handle
 from .optim import unscaled
 from .partition import ShardingPolicy
@@ -211,21 +212,39 @@ class ParamGroup:
         for bucket, g in zip(self.buckets, grads):
             for view, begin, end in bucket.master_views:
                 view.grad = g[begin:end]
-        with unscaled(optimizer, coef) as fused:
-            if not fused:
-                for g in grads:
-                    g.mul_(coef)  # g is a scratch fp32 copy or the owned gradient, zeroed after the step
-            optimizer.step()
+        published: set[int] = set()
+        if host_step.applies(optimizer):
+            outputs = self.host_outputs()
+            host_step.adam_step(optimizer, coef, outputs)
+            published = {b.span.index for b in self.buckets if all(id(v) in outputs for v, _, _ in b.master_views)}
+        else:
+            with unscaled(optimizer, coef) as fused:
+                if not fused:
+                    for g in grads:
+                        g.mul_(coef)  # g is a scratch fp32 copy or the owned gradient, zeroed after the step
+                optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        self.publish_masters()
+        self.publish_masters(published)
         self.zero_grads()
 
-    def publish_masters(self) -> None:
-        """Copies updated masters into the parameters; all-gathers resident buckets."""
+    def host_outputs(self) -> dict[int, torch.Tensor]:
+        """id(master slice) -> the 16-bit host parameter values it updates (the
+        fused host step writes them; fp32 or device parameters are published apart)."""
+        outputs = {}
+        for bucket in self.buckets:
+            target = self.publish_target(bucket)
+            if target.dtype in host_step.DTYPE_CODES and target.device.type == "cpu":
+                for view, begin, end in bucket.master_views:
+                    outputs[id(view)] = target[begin:end]
+        return outputs
+
+    def publish_masters(self, published: set[int] = frozenset()) -> None:
+        """Copies updated masters into the parameters (except the buckets in
+        `published`, already written); all-gathers resident buckets."""
         works = []
         for bucket in self.buckets:
             target = self.publish_target(bucket)
-            if target.data_ptr() != bucket.master.data_ptr():
+            if bucket.span.index not in published and target.data_ptr() != bucket.master.data_ptr():
                 target.copy_(bucket.master)
             if self.policy.shard_optimizer and bucket.span.resident:
                 works.append(self.comm.all_gather(bucket.full, bucket.shard, async_op=True))
