@@ -54,7 +54,7 @@ def memory_report(group: ParamGroup, optimizer: torch.optim.Optimizer, gathered_
     on_host = storages.nbytes(t for b in group.buckets if group.offloaded(b) for t in _optimizer_tensors(b, optimizer))
     on_device = storages.nbytes(t for b in group.buckets if not group.offloaded(b)
                                 for t in _optimizer_tensors(b, optimizer))
-    disk, staging = group.disk_nbytes(), group.staging_nbytes()
+    disk, staging = group.disk_nbytes(), group.offload_host_nbytes()
     return MemoryReport(params, grads, on_host + on_device, group.scheduler.peak_transient_nbytes + gathered_nbytes,
                         device_nbytes=params + grads + on_device, host_nbytes=on_host + staging, disk_nbytes=disk)
 

@@ -88,7 +88,7 @@ class ShardSwap:
         return self.file.nbytes
 
     @property
-    def staging_nbytes(self) -> int:
+    def offload_host_nbytes(self) -> int:
         return sum(b.numel() for b in self.free) + sum(b.numel() for b in self.in_use.values())
 
 
@@ -133,8 +133,9 @@ class NvmeParamGroup(HostParamGroup):
     def disk_nbytes(self) -> int:
         return sum(part.file.nbytes for part in (self.states, self.shards) if part is not None)
 
-    def staging_nbytes(self) -> int:
-        return sum(part.staging_nbytes for part in (self.states, self.shards) if part is not None)
+    def offload_host_nbytes(self) -> int:
+        return super().offload_host_nbytes() + sum(part.offload_host_nbytes for part in (self.states, self.shards)
+                                                   if part is not None)
 
     # ---- stage 3: swapped shards --------------------------------------------------------------
     def start_unshard(self, bucket: ZeroBucket) -> None:

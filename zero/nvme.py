@@ -92,7 +92,7 @@ class NvmeStates:
         self.steps: dict[Member, torch.Tensor] = {}
 
     @property
-    def staging_nbytes(self) -> int:
+    def offload_host_nbytes(self) -> int:
         return sum(b.numel() for b in self.buffers)
 
     def parts(self, index: int) -> list[torch.Tensor]:
@@ -181,9 +181,8 @@ class NvmeStates:
             state = optimizer.state[view]
             state["step"] = self.steps.setdefault(member, torch.zeros((), dtype=torch.float32))
             state["exp_avg"], state["exp_avg_sq"] = exp_avg[lo:hi], exp_avg_sq[lo:hi]
-            if grads is not None:
-                grad = grads[member[0]][begin:end]
-                view.grad = grad if grad.dtype == torch.float32 else grad.float()
+            if grads is not None:  # a CUDA model's gradient comes to the host here
+                view.grad = grads[member[0]][begin:end].to(device="cpu", dtype=torch.float32)
             views.append(view)
         return views
 

@@ -76,6 +76,9 @@ class HostParamGroup(ParamGroup):
     def offloaded(self, bucket: ZeroBucket) -> bool:
         return bucket.span.index in self.on_host
 
+    def offload_host_nbytes(self) -> int:
+        return sum(t.nbytes for t in self.host_shards.values())
+
     def make_master(self, bucket: ZeroBucket, source: torch.Tensor) -> torch.Tensor:
         if source.device.type == "cpu" or not self.offloaded(bucket):
             return super().make_master(bucket, source)

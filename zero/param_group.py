@@ -183,8 +183,9 @@ class ParamGroup:
         """Model-state bytes this rank keeps in NVMe swap files."""
         return 0
 
-    def staging_nbytes(self) -> int:
-        """Host buffers that stream swapped states (NVMe offload)."""
+    def offload_host_nbytes(self) -> int:
+        """Host memory an offload holds besides masters and optimizer states
+        (NVMe staging buffers, stage-3 shards kept on the host)."""
         return 0
 
     def offloaded_states(self) -> contextlib.AbstractContextManager:
