@@ -45,7 +45,7 @@ class ShardSwap:
         largest = max((round_up(b.shard.nbytes) for b in buckets if b.span.index in self.offsets), default=0)
         self.free = [aligned_empty(largest) for _ in range(min(options.buffer_count, len(self.offsets)))]
         self.in_use: OrderedDict[int, torch.Tensor] = OrderedDict()  # bucket index -> its buffer, oldest first
-        self.staged: dict[int, torch.Tensor] = {}  # updated shards waiting to be written
+        self.staged: dict[int, tuple[torch.Tensor, list[int]]] = {}  # bucket -> (shard being updated, elements in)
 
     def swapped(self, bucket: ZeroBucket) -> bool:
         return bucket.span.index in self.offsets
@@ -72,16 +72,17 @@ class ShardSwap:
         return raw is not None
 
     def stage(self, bucket: ZeroBucket, begin: int, values: torch.Tensor) -> None:
-        """Collects updated pieces of a swapped shard (the padding stays zero); flush() writes them."""
-        shard = self.staged.get(bucket.span.index)
-        if shard is None:
-            shard = self.staged[bucket.span.index] = torch.zeros(bucket.owned.numel, dtype=bucket.shard.dtype)
+        """Collects updated pieces of a swapped shard (the padding stays zero)
+        and writes the shard once every parameter slice of it arrived."""
+        index = bucket.span.index
+        if index not in self.staged:
+            self.staged[index] = (torch.zeros(bucket.owned.numel, dtype=bucket.shard.dtype), [0])
+        shard, arrived = self.staged[index]
         shard[begin:begin + values.numel()].copy_(values)
-
-    def flush(self, buckets: list[ZeroBucket]) -> None:
-        for index, shard in self.staged.items():
-            self.write(buckets[index], shard)
-        self.staged.clear()
+        arrived[0] += values.numel()
+        if arrived[0] >= sum(end - start for _, start, end in bucket.master_views):
+            self.write(bucket, shard)
+            del self.staged[index]
 
     @property
     def disk_nbytes(self) -> int:
@@ -113,12 +114,8 @@ class NvmeParamGroup(HostParamGroup):
         if self.options.device == "nvme":
             self.states = NvmeStates(self.buckets, self.options, self.aio, sub_group_size=self.sub_group_size,
                                      rank=rank)
-            masters = [bucket.master for bucket in self.buckets]
-            for bucket in self.buckets:
-                bucket.master = None
-                for view, _, _ in bucket.master_views:
-                    view.data = self.states.empty
-            self.states.write_initial(masters)
+            self.states.write_initial([bucket.master for bucket in self.buckets])
+            out = self._detach_masters(out)
         if self.param_options.device == "nvme" and self.policy.shard_params:
             self.shards = ShardSwap(self.buckets, self.param_options, self.aio, rank=rank)
             for bucket in self.buckets:
@@ -126,6 +123,18 @@ class NvmeParamGroup(HostParamGroup):
                     self.shards.write(bucket, bucket.shard)
                     bucket.shard = self.placeholder(bucket)
         return out
+
+    def _detach_masters(self, out: list[tuple[int, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
+        """Swaps the optimizer's parameters, views of the masters (a view keeps its
+        base alive), for leaf tensors that hold memory only while bound to a buffer."""
+        leaves = {}
+        for bucket in self.buckets:
+            bucket.master = None
+            for k, (view, begin, end) in enumerate(bucket.master_views):
+                leaf = self.states.empty.clone().requires_grad_()
+                leaves[id(view)] = leaf
+                bucket.master_views[k] = (leaf, begin, end)
+        return [(index, leaves[id(view)]) for index, view in out]
 
     def offloaded(self, bucket: ZeroBucket) -> bool:
         return self.states is not None or super().offloaded(bucket)
@@ -182,9 +191,8 @@ class NvmeParamGroup(HostParamGroup):
             self.publish_target(bucket)[begin:begin + values.numel()].copy_(values)
 
     def finish_publish(self) -> None:
-        """Writes staged shards; all-gathers resident buckets."""
-        if self.shards is not None:
-            self.shards.flush(self.buckets)
+        """All-gathers resident buckets (swapped shards were written as they completed)."""
+        assert self.shards is None or not self.shards.staged, "every swapped shard was written"
         works = [self.comm.all_gather(b.full, b.shard, async_op=True) for b in self.buckets
                  if self.policy.shard_optimizer and b.span.resident]
         for work in works:
