@@ -121,6 +121,7 @@ def worker(args) -> None:
            "built_added_mib": (built_kib - before_kib) / 1024,
            "device_mib": report.device_nbytes / 2**20, "host_mib": report.host_nbytes / 2**20,
            "disk_mib": report.disk_nbytes / 2**20, "model_state_mib": report.model_state_nbytes / 2**20,
+           "comm_buffer_mib": report.comm_buffer_nbytes / 2**20,
            "swap_files_named": len(os.listdir(nvme_path))}
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
