@@ -75,10 +75,10 @@ class OffloadOptions:
 @dataclass(frozen=True, slots=True)
 class AioOptions:
     """The top-level "aio" section, as zero's NVMe I/O uses it: thread_count
-    (alias intra_op_parallelism) I/O threads, each transfer split into requests of
-    block_size bytes, at most queue_depth of them queued per thread.
-    single_submit and overlap_events steer libaio submission, which zero's
-    threaded pread/pwrite does not have: accepted, no effect."""
+    (alias intra_op_parallelism) I/O threads, each transfer split into requests
+    of block_size bytes. queue_depth, single_submit and overlap_events steer
+    libaio's submission queue, which threads doing blocking pread/pwrite do not
+    have: validated, no effect."""
 
     block_size: int = 1_048_576
     queue_depth: int = 8
