@@ -5,8 +5,11 @@ when any part failed. Without a CUDA device it checks nothing and says so
 
     python benchmarks/gpu_check.py [--json bench-results/gpu_check.json] [--parts pytest,collectives,zero_step]
 
-Parts, each a subprocess with its own timeout (7.5 minutes in all at most):
-  pytest       tests/*cuda*.py: the CUDA kernels, the ZeRO engine's stages 0-3 on CUDA
+Parts, each a subprocess with its own timeout (9.5 minutes in all at most):
+  pytest       tests/*cuda*.py but the offload one: the CUDA kernels, the ZeRO engine's stages 0-3 on CUDA
+  offload      tests/test_zero_offload_cuda.py: ZeRO-Offload with the model on the GPU (pinned
+               host masters and states, gradients to host on a side stream, host step, stage-3
+               shards pinned on the host, NVMe) against the same runs without offload
   collectives  benchmarks/gpu_collectives.py: NCCL vs the "ringcomm" backend on CUDA
                tensors, one rank per GPU, results checked, times compared
   zero_step    benchmarks/zero_step.py --device cuda: the ZeRO engine's step time at
@@ -29,8 +32,9 @@ from pathlib import Path
 from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ("pytest", "collectives", "zero_step")
-TIMEOUT_S = {"pytest": 300.0, "collectives": 90.0, "zero_step": 60.0}
+PARTS = ("pytest", "offload", "collectives", "zero_step")
+TIMEOUT_S = {"pytest": 300.0, "offload": 120.0, "collectives": 90.0, "zero_step": 60.0}
+OFFLOAD_TESTS = "tests/test_zero_offload_cuda.py"
 TAIL_CHARS = 4000  # of a part's output, kept in the JSON
 
 
@@ -77,7 +81,8 @@ def last_line(output: str) -> str:
 # ---- part: pytest -----------------------------------------------------------------------
 
 def cuda_test_files() -> list[str]:
-    return sorted(str(path.relative_to(ROOT)) for path in (ROOT / "tests").glob("test_*cuda*.py"))
+    return sorted(str(path.relative_to(ROOT)) for path in (ROOT / "tests").glob("test_*cuda*.py")
+                  if str(path.relative_to(ROOT)) != OFFLOAD_TESTS)
 
 
 def test_file(case: ElementTree.Element) -> str:
@@ -115,8 +120,8 @@ def pytest_verdict(junit_xml: str) -> tuple[Status, str]:
     return (Status.SKIP if num_passed == 0 else Status.PASS), detail
 
 
-def run_pytest(timeout_s: float) -> tuple[Status, str, str]:
-    files = cuda_test_files()
+def run_pytest(timeout_s: float, files: list[str] | None = None) -> tuple[Status, str, str]:
+    files = files or cuda_test_files()
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         junit = Path(tmp) / "junit.xml"
         done = run_command([sys.executable, "-m", "pytest", "-q", "-rs", f"--junitxml={junit}", *files], timeout_s)
@@ -187,7 +192,11 @@ def run_zero_step(timeout_s: float) -> tuple[Status, str, str]:
     return Status.PASS, f"step time, stages 0/1/2/3: {times}", done.output
 
 
-RUNNERS = {"pytest": run_pytest, "collectives": run_collectives, "zero_step": run_zero_step}
+def run_offload(timeout_s: float) -> tuple[Status, str, str]:
+    return run_pytest(timeout_s, [OFFLOAD_TESTS])
+
+
+RUNNERS = {"pytest": run_pytest, "offload": run_offload, "collectives": run_collectives, "zero_step": run_zero_step}
 
 
 def run_part(part: str) -> PartResult:

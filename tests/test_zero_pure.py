@@ -59,6 +59,20 @@ def test_batch_rule_and_auto() -> None:
     ({"zero_optimization": {"reduce_bucket_size": -1}}, "zero_optimization.reduce_bucket_size"),
     ({"zero_optimization": {"overlap_comm": "yes"}}, "zero_optimization.overlap_comm"),
     ({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}}, "offload_optimizer.device"),
+    ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, "offload_optimizer.device"),
+    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "offload_param.device"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}}, "offload_optimizer.nvme_path"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp",
+                                                              "ratio": 0.5}}}, "offload_optimizer.ratio"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "buffer_count": 0}}},
+     "offload_optimizer.buffer_count"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp",
+                                                          "max_in_cpu": -1}}}, "offload_param.max_in_cpu"),
+    ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "pin_memory": "yes"}}},
+     "offload_optimizer.pin_memory"),
+    ({"aio": {"block_size": 1000}}, "aio.block_size"),
+    ({"aio": {"thread_count": 0}}, "aio.thread_count"),
+    ({"aio": {"use_gds": True}}, "aio.use_gds"),
     ({"fp16": {"enabled": True, "hysteresis": 0}}, "fp16.hysteresis"),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "bf16.enabled"),
     ({"gradient_clipping": -1.0}, "gradient_clipping"),
@@ -96,7 +110,9 @@ def test_shared_configs_parse_with_auto_resolved(name: str) -> None:
     assert parsed.zero.stage == raw["zero_optimization"]["stage"]
     assert (parsed.train_batch_size, parsed.micro_batch_size, parsed.gradient_accumulation_steps) == (8, 4, 1)
     assert parsed.dtype == "float16" and parsed.gradient_clipping == 1.0 and parsed.scaler.hysteresis == 2
-    assert any("offload_optimizer" in note for note in parsed.not_implemented)
+    assert parsed.zero.offload_optimizer_options == cfg.OffloadOptions(device="cpu", pin_memory=True)
+    if parsed.zero.stage == 3:
+        assert parsed.zero.offload_param_options == cfg.OffloadOptions(device="cpu", pin_memory=True, buffer_count=5)
     if parsed.zero.stage == 3:
         assert parsed.zero.reduce_bucket_size == 64 * 64 and parsed.zero.param_persistence_threshold == 640
 
@@ -141,3 +157,18 @@ def test_rebind_keeps_param_groups() -> None:
 def test_config_copies_match_the_users_files(name: str) -> None:
     with open(os.path.join(SHARED, name), "rb") as a, open(os.path.join(ROOT, "tests", "data", name), "rb") as b:
         assert a.read() == b.read(), f"tests/data/{name} drifted from ../shared/configs/{name}"
+
+
+def test_offload_and_aio_sections() -> None:
+    parsed = cfg.parse({"zero_optimization": {
+        "stage": 3, "sub_group_size": 1000,
+        "offload_optimizer": {"device": "nvme", "nvme_path": "/x", "buffer_count": 3, "fast_init": True,
+                              "pipeline": True},
+        "offload_param": {"device": "nvme", "nvme_path": "/y", "buffer_size": 4096, "max_in_cpu": 0}},
+        "aio": {"block_size": 8192, "queue_depth": 4, "intra_op_parallelism": 2, "single_submit": True}}, FACTS)
+    assert parsed.zero.offload_optimizer == "nvme" and parsed.zero.offload_param == "nvme"
+    assert parsed.zero.offload_optimizer_options == cfg.OffloadOptions(
+        device="nvme", nvme_path="/x", buffer_count=3, fast_init=True, pipeline_read=True, pipeline_write=True)
+    assert parsed.zero.offload_param_options == cfg.OffloadOptions(
+        device="nvme", nvme_path="/y", buffer_count=5, buffer_size=4096, max_in_cpu=0)
+    assert parsed.aio == cfg.AioOptions(block_size=8192, queue_depth=4, thread_count=2, single_submit=True)

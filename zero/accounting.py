@@ -19,6 +19,12 @@ class MemoryReport:
     # stage 3: what the persistent parameters (stage3_param_persistence_threshold) hold whole beyond the
     # shard that params_nbytes counts, so params + grads + optimizer is the paper's 16 psi / N
     persistent_params_nbytes: int = 0
+    # where the model states are: on the model's device, in host memory (offloaded,
+    # plus NVMe staging buffers), in NVMe swap files. On a CPU-only machine the
+    # device is host memory too: offloaded states count as host, the rest as device.
+    device_nbytes: int = 0
+    host_nbytes: int = 0
+    disk_nbytes: int = 0
 
     @property
     def model_state_nbytes(self) -> int:
@@ -54,8 +60,19 @@ def memory_report(group: ParamGroup, optimizer: torch.optim.Optimizer, gathered_
         params -= persistent
     persistent_grads = [b.grads.accumulator if group.policy.shard_grads else b.grads.grad for b in group.buckets]
     grads = storages.nbytes(persistent_grads)
-    states = [t for state in optimizer.state.values() for t in state.values()
-              if isinstance(t, torch.Tensor) and t.dim() > 0]
-    optimizer_nbytes = storages.nbytes(b.master for b in group.buckets) + storages.nbytes(states)
-    return MemoryReport(params, grads, optimizer_nbytes, group.scheduler.peak_transient_nbytes + gathered_nbytes,
-                        persistent_params_nbytes=persistent)
+    on_host = storages.nbytes(t for b in group.buckets if group.offloaded(b) for t in _optimizer_tensors(b, optimizer))
+    on_device = storages.nbytes(t for b in group.buckets if not group.offloaded(b)
+                                for t in _optimizer_tensors(b, optimizer))
+    disk, staging = group.disk_nbytes(), group.offload_host_nbytes()
+    return MemoryReport(params, grads, on_host + on_device, group.scheduler.peak_transient_nbytes + gathered_nbytes,
+                        persistent_params_nbytes=persistent, device_nbytes=params + persistent + grads + on_device,
+                        host_nbytes=on_host + staging, disk_nbytes=disk)
+
+
+def _optimizer_tensors(bucket, optimizer: torch.optim.Optimizer):
+    """The bucket's fp32 master and the optimizer states of its slices."""
+    yield bucket.master
+    for view, _, _ in bucket.master_views:
+        for t in optimizer.state.get(view, {}).values():
+            if isinstance(t, torch.Tensor) and t.dim() > 0:
+                yield t

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -18,6 +17,8 @@ from . import zero as zero_init
 from .backend import make_comm
 from .engine import EngineParts, ZeroEngine
 from .gather import ModuleGatherer
+from .infinity import NvmeParamGroup
+from .offload import HostParamGroup
 from .param_group import ParamGroup, build_buckets
 from .precision import make_scaler
 
@@ -88,6 +89,19 @@ def module_groups(model: nn.Module, params: list[nn.Parameter]) -> tuple[list[nn
     return modules, groups
 
 
+def make_group(buckets: list, cfg: config_mod.EngineConfig, comm, optimizer: torch.optim.Optimizer) -> ParamGroup:
+    """The ParamGroup for the config's offload sections."""
+    zero = cfg.zero
+    if zero.offload_optimizer == "none" and zero.offload_param == "none":
+        return ParamGroup(buckets, zero.policy, comm, timeout_s=comm.timeout_s)
+    if "nvme" not in (zero.offload_optimizer, zero.offload_param):
+        return HostParamGroup(buckets, zero.policy, comm, timeout_s=comm.timeout_s,
+                              options=zero.offload_optimizer_options, param_options=zero.offload_param_options)
+    return NvmeParamGroup(buckets, zero.policy, comm, timeout_s=comm.timeout_s, options=zero.offload_optimizer_options,
+                          param_options=zero.offload_param_options, optimizer=optimizer, aio=cfg.aio,
+                          sub_group_size=zero.sub_group_size)
+
+
 def make_optimizer(optimizer, model_parameters, params: list[nn.Parameter],
                    cfg: config_mod.EngineConfig) -> torch.optim.Optimizer:
     if optimizer is not None:
@@ -116,11 +130,6 @@ def build_engine(model: nn.Module, optimizer=None, model_parameters=None, lr_sch
     comm_mod.init_distributed()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     cfg = config_mod.parse(config if config is not None else {}, model_facts(model, world_size, args))
-    for note in cfg.not_implemented:
-        message = f"zero: {note} is parsed and validated but not implemented yet; ignored"
-        warnings.warn(message, stacklevel=3)
-        if rank == 0:
-            log.warning(message)
     checkpointing.configure_from(cfg.activation_checkpointing)
     dtype = DTYPES[cfg.dtype]
     model.to(dtype)
@@ -131,7 +140,7 @@ def build_engine(model: nn.Module, optimizer=None, model_parameters=None, lr_sch
     comm.overlap = cfg.zero.overlap_comm
     layout, module_uses = plan_layout(model, params, cfg, world_size)
     buckets = build_buckets(params, layout, rank, comm)
-    group = ParamGroup(buckets, cfg.zero.policy, comm, timeout_s=comm.timeout_s)
+    group = make_group(buckets, cfg, comm, optimizer)
     optim.rebind(optimizer, params, group.setup_masters())
     group.register_hooks(params)
     gatherer = None

@@ -259,7 +259,8 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
         os.makedirs(partial)
     barrier(BARRIER_TIMEOUT_S)
     full = engine.full_params_fp32()  # collective: before any rank may stop at a barrier
-    write_shards(shard_file(partial, rank, world_size), named_shards(engine))
+    with engine.parts.group.offloaded_states():  # offloaded masters and states as ordinary tensors while written
+        write_shards(shard_file(partial, rank, world_size), named_shards(engine))
     phase_hook("written", rank)
     barrier(BARRIER_TIMEOUT_S)
     if rank == 0:
@@ -341,7 +342,8 @@ def load(engine, load_dir: str, tag: str | None = None, *, load_module_strict: b
     check_params(engine, directory, state["params"], strict=load_module_strict)
     saved = SavedShards(directory, state["world_size"])
     try:
-        restore_named_shards(engine, saved, optimizer_states=optimizer_states)
+        with engine.parts.group.offloaded_states():  # written back to where they are offloaded on exit
+            restore_named_shards(engine, saved, optimizer_states=optimizer_states)
     finally:
         saved.close()
     restore_module_extras(engine, directory, strict=load_module_strict)

@@ -19,7 +19,7 @@ TOP_KEYS = {
     # accepted with no effect here (logging and knobs of DeepSpeed's own runtime)
     "steps_per_print", "wall_clock_breakdown", "prescale_gradients", "gradient_predivide_factor",
     "communication_data_type", "dump_state", "tensorboard", "wandb", "csv_monitor", "flops_profiler",
-    "memory_breakdown", "zero_force_ds_cpu_optimizer", "seed",
+    "memory_breakdown", "zero_force_ds_cpu_optimizer", "seed", "aio",
 }
 ZERO_KEYS = {
     "stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "contiguous_gradients",
@@ -46,7 +46,9 @@ SCHEDULER_INTS = {  # integer params and their minimum
     "lr_range_test_step_size": 1, "cycle_first_stair_count": 0, "cycle_second_stair_count": 0, "decay_step_size": 0,
     "last_batch_iteration": -1}
 OFFLOAD_KEYS = {"device", "pin_memory", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu",
-                "fast_init", "ratio", "pipeline_read", "pipeline_write"}
+                "fast_init", "ratio", "pipeline_read", "pipeline_write", "pipeline"}
+AIO_KEYS = {"block_size", "queue_depth", "thread_count", "intra_op_parallelism", "single_submit", "overlap_events",
+            "use_gds"}
 CHECKPOINT_KEYS = {"partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
                    "number_checkpoints", "synchronize_checkpoint_boundary", "profile"}
 OPTIMIZERS = ("adam", "adamw", "sgd")
@@ -64,6 +66,41 @@ class ModelFacts:
 
 
 @dataclass(frozen=True, slots=True)
+class OffloadOptions:
+    """zero_optimization.offload_optimizer / offload_param, DeepSpeed's keys and
+    defaults. buffer_count: host buffers streaming NVMe sub-groups (optimizer) or
+    shards (parameters); buffer_size, max_in_cpu: parameter elements per buffer and
+    kept in host memory with device nvme; ratio: the fraction of the optimizer
+    states offloaded with device cpu (the rest stays on the model's device)."""
+
+    device: str = "none"  # "none" | "cpu" | "nvme"
+    pin_memory: bool = False
+    nvme_path: str | None = None
+    buffer_count: int = 4
+    buffer_size: int = 100_000_000
+    max_in_cpu: int = 1_000_000_000
+    fast_init: bool = False
+    ratio: float = 1.0
+    pipeline_read: bool = False
+    pipeline_write: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class AioOptions:
+    """The top-level "aio" section, as zero's NVMe I/O uses it: thread_count
+    (alias intra_op_parallelism) I/O threads, each transfer split into requests
+    of block_size bytes. queue_depth, single_submit and overlap_events steer
+    libaio's submission queue, which threads doing blocking pread/pwrite do not
+    have: validated, no effect."""
+
+    block_size: int = 1_048_576
+    queue_depth: int = 8
+    thread_count: int = 1
+    single_submit: bool = False
+    overlap_events: bool = True
+
+
+@dataclass(frozen=True, slots=True)
 class ZeroOptions:
     stage: int = 0
     reduce_bucket_size: int = 500_000_000
@@ -77,8 +114,10 @@ class ZeroOptions:
     max_reuse_distance: int = 1_000_000_000
     gather_16bit_weights_on_model_save: bool = False
     sub_group_size: int = 1_000_000_000
-    offload_optimizer: str = "none"
+    offload_optimizer: str = "none"  # the device of offload_optimizer_options, for a quick test
     offload_param: str = "none"
+    offload_optimizer_options: OffloadOptions = field(default_factory=OffloadOptions)
+    offload_param_options: OffloadOptions = field(default_factory=lambda: OffloadOptions(buffer_count=5))
 
     @property
     def policy(self) -> ShardingPolicy:
@@ -99,7 +138,7 @@ class EngineConfig:
     allow_untested_optimizer: bool = False
     activation_checkpointing: dict | None = None
     comm_backend: str | None = None
-    not_implemented: tuple[str, ...] = field(default_factory=tuple)
+    aio: AioOptions = field(default_factory=AioOptions)
 
 
 def load(config: str | os.PathLike | dict) -> dict:
@@ -185,18 +224,58 @@ def _scaler(section: dict) -> ScalerOptions:
         consecutive_hysteresis=_bool(section.get("consecutive_hysteresis", False), "fp16.consecutive_hysteresis"))
 
 
-def _offload(section: object, key: str) -> str:
+def _offload(section: object, key: str, stage: int) -> OffloadOptions:
+    """One offload section; see OffloadOptions."""
+    where = f"zero_optimization.{key}"
+    default = OffloadOptions(buffer_count=5 if key == "offload_param" else 4)
     if section is None:
-        return "none"
+        return default
     if not isinstance(section, dict):
-        raise ValueError(f"zero config: zero_optimization.{key} must be an object, got {section!r}")
-    _warn_unknown(section, OFFLOAD_KEYS, f"zero_optimization.{key}.")
+        raise ValueError(f"zero config: {where} must be an object, got {section!r}")
+    _warn_unknown(section, OFFLOAD_KEYS, where + ".")
     device = section.get("device", "none")
     if device not in ("none", "cpu", "nvme"):
-        raise ValueError(f"zero config: zero_optimization.{key}.device must be none/cpu/nvme, got {device!r}")
-    if device == "nvme" and not section.get("nvme_path"):
-        raise ValueError(f"zero config: zero_optimization.{key}.nvme_path is required with device nvme")
-    return device
+        raise ValueError(f"zero config: {where}.device must be none/cpu/nvme, got {device!r}")
+    nvme_path = section.get("nvme_path")
+    if device == "nvme" and (not isinstance(nvme_path, str) or not nvme_path):
+        raise ValueError(f"zero config: {where}.nvme_path is required with device nvme, got {nvme_path!r}")
+    ratio = _float(section.get("ratio", 1.0), f"{where}.ratio")
+    if not 0.0 < ratio <= 1.0 or (ratio != 1.0 and device != "cpu"):
+        raise ValueError(f"zero config: {where}.ratio must be in (0, 1], and below 1 only with device cpu, "
+                         f"got {ratio!r} with device {device!r}")
+    if device != "none" and stage < (3 if key == "offload_param" else 1):
+        raise ValueError(f"zero config: {where}.device {device!r} needs zero_optimization.stage >= "
+                         f"{3 if key == 'offload_param' else 1}, got stage {stage}")
+    pipeline = _bool(section.get("pipeline", False), f"{where}.pipeline")
+    return OffloadOptions(
+        device=device, pin_memory=_bool(section.get("pin_memory", False), f"{where}.pin_memory"),
+        nvme_path=nvme_path if device == "nvme" else None,
+        buffer_count=_int(section.get("buffer_count", default.buffer_count), f"{where}.buffer_count", 1),
+        buffer_size=_int(section.get("buffer_size", default.buffer_size), f"{where}.buffer_size", 1),
+        max_in_cpu=_int(section.get("max_in_cpu", default.max_in_cpu), f"{where}.max_in_cpu", 0),
+        fast_init=_bool(section.get("fast_init", False), f"{where}.fast_init"), ratio=ratio,
+        pipeline_read=_bool(section.get("pipeline_read", pipeline), f"{where}.pipeline_read"),
+        pipeline_write=_bool(section.get("pipeline_write", pipeline), f"{where}.pipeline_write"))
+
+
+def _aio(section: object) -> AioOptions:
+    if section is None:
+        return AioOptions()
+    if not isinstance(section, dict):
+        raise ValueError(f"zero config: aio must be an object, got {section!r}")
+    _warn_unknown(section, AIO_KEYS, "aio.")
+    if _bool(section.get("use_gds", False), "aio.use_gds"):
+        raise ValueError("zero config: aio.use_gds true (GPUDirect Storage) is not supported; set it false")
+    d = AioOptions()
+    block_size = _int(section.get("block_size", d.block_size), "aio.block_size", 1)
+    if block_size % 4096:
+        raise ValueError(f"zero config: aio.block_size must be a multiple of 4096 bytes (direct I/O), got {block_size}")
+    threads = section.get("thread_count", section.get("intra_op_parallelism", d.thread_count))
+    return AioOptions(block_size=block_size, queue_depth=_int(section.get("queue_depth", d.queue_depth),
+                                                              "aio.queue_depth", 1),
+                      thread_count=_int(threads, "aio.thread_count", 1),
+                      single_submit=_bool(section.get("single_submit", d.single_submit), "aio.single_submit"),
+                      overlap_events=_bool(section.get("overlap_events", d.overlap_events), "aio.overlap_events"))
 
 
 def _zero(section: dict, facts: ModelFacts) -> ZeroOptions:
@@ -217,6 +296,8 @@ def _zero(section: dict, facts: ModelFacts) -> ZeroOptions:
         ("overlap_comm", True), ("contiguous_gradients", True), ("reduce_scatter", True),
         ("stage3_gather_16bit_weights_on_model_save", False), ("allgather_partitions", True),
         ("round_robin_gradients", False))}
+    offload_optimizer = _offload(section.get("offload_optimizer"), "offload_optimizer", stage)
+    offload_param = _offload(section.get("offload_param"), "offload_param", stage)
     return ZeroOptions(
         stage=stage, reduce_bucket_size=sizes["reduce_bucket_size"],
         allgather_bucket_size=sizes["allgather_bucket_size"], overlap_comm=flags["overlap_comm"],
@@ -226,9 +307,9 @@ def _zero(section: dict, facts: ModelFacts) -> ZeroOptions:
         max_live_parameters=sizes["stage3_max_live_parameters"],
         max_reuse_distance=sizes["stage3_max_reuse_distance"],
         gather_16bit_weights_on_model_save=flags["stage3_gather_16bit_weights_on_model_save"],
-        sub_group_size=sizes["sub_group_size"], offload_optimizer=_offload(section.get("offload_optimizer"),
-                                                                           "offload_optimizer"),
-        offload_param=_offload(section.get("offload_param"), "offload_param"))
+        sub_group_size=sizes["sub_group_size"], offload_optimizer=offload_optimizer.device,
+        offload_param=offload_param.device, offload_optimizer_options=offload_optimizer,
+        offload_param_options=offload_param)
 
 
 def _optimizer(section: object) -> dict | None:
@@ -304,11 +385,6 @@ def parse(config: str | os.PathLike | dict, facts: ModelFacts) -> EngineConfig:
     backend = raw.get("comm_backend")
     if backend not in (None, "ringcomm", "torch"):
         raise ValueError(f"zero config: comm_backend must be 'ringcomm' or 'torch', got {backend!r}")
-    not_implemented = tuple(
-        note for note, on in ((f"zero_optimization.offload_optimizer (device {zero.offload_optimizer})",
-                               zero.offload_optimizer != "none"),
-                              (f"zero_optimization.offload_param (device {zero.offload_param})",
-                               zero.offload_param != "none")) if on)
     return EngineConfig(
         train_batch_size=train, micro_batch_size=micro, gradient_accumulation_steps=accum,
         gradient_clipping=_float(_get(raw, "gradient_clipping", 0.0, facts.arguments.get("gradient_clipping", 1.0)),
@@ -317,5 +393,4 @@ def parse(config: str | os.PathLike | dict, facts: ModelFacts) -> EngineConfig:
         optimizer=_optimizer(raw.get("optimizer")), scheduler=_scheduler(raw.get("scheduler")),
         allow_untested_optimizer=_bool(raw.get("zero_allow_untested_optimizer", False),
                                        "zero_allow_untested_optimizer"),
-        activation_checkpointing=checkpointing, comm_backend=backend,
-        not_implemented=not_implemented)
+        activation_checkpointing=checkpointing, comm_backend=backend, aio=_aio(raw.get("aio")))

@@ -2,7 +2,9 @@
 client optimizer at the engine's fp32 master slices."""
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -55,12 +57,37 @@ def rebind(optimizer: torch.optim.Optimizer, params: list[nn.Parameter],
 
 
 def _may_fuse(optimizer: torch.optim.Optimizer, group: dict) -> bool:
-    """Adam/AdamW whose caller chose no implementation run torch's fused kernel on
+    """Adam/AdamW/SGD whose caller chose no implementation run torch's fused kernel on
     the fp32 master shard: one pass over memory instead of six (same update up
     to rounding)."""
-    return (type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and group.get("fused") is None
+    return (type(optimizer) in SUPPORTED and group.get("fused") is None
             and group.get("foreach") is None and not group.get("differentiable", False)
             and all(p.device.type == "cpu" and p.dtype == torch.float32 for p in group["params"]))
+
+
+def fused_everywhere(optimizer: torch.optim.Optimizer) -> bool:
+    return type(optimizer) in SUPPORTED and all(group.get("fused") for group in optimizer.param_groups)
+
+
+@contextlib.contextmanager
+def unscaled(optimizer: torch.optim.Optimizer, coef: float) -> Iterator[bool]:
+    """Inside, optimizer.step() multiplies every gradient by `coef` within its
+    fused kernel; yields False (nothing set) where the optimizer is not fused or
+    coef is 1. torch's fused Adam/AdamW/SGD divide the gradient by a
+    `grad_scale` inside the update (GradScaler's mechanism), so the unscale and
+    clip coefficient costs no pass over the gradients of its own."""
+    if coef == 1.0 or not fused_everywhere(optimizer):
+        yield False
+        return
+    devices = {p.device for group in optimizer.param_groups for p in group["params"] if p.grad is not None}
+    if len(devices) != 1:
+        yield False
+        return
+    optimizer.grad_scale = torch.tensor(1.0 / coef, dtype=torch.float32, device=devices.pop())
+    try:
+        yield True
+    finally:
+        del optimizer.grad_scale
 
 
 def scheduler_from_config(section: dict, optimizer: torch.optim.Optimizer) -> lr_schedules.Schedule:

@@ -26,8 +26,10 @@ from ringcomm.layout import BufferLayout
 from ringcomm.overlap import BucketScheduler
 from ringcomm.schedule import Span
 
+from . import host_step
 from . import zero as zero_init
 from .backend import Comm, Handle
+from .optim import unscaled
 from .partition import ShardingPolicy
 
 NORM_SLICE_NUMEL = 1 << 20  # elements converted to float64 at a time by grad_norm
@@ -199,7 +201,7 @@ class ParamGroup:
                 source = bucket.shard
             else:
                 source = bucket.full if bucket.full is not None else bucket.shard
-            bucket.master = source if source.dtype == torch.float32 else source.float()
+            bucket.master = self.make_master(bucket, source)
             bucket.master_views = []
             owned = bucket.owned
             for index, local, _ in bucket.layout.local_slices(bucket.span.index, owned):
@@ -207,6 +209,30 @@ class ParamGroup:
                 bucket.master_views.append((bucket.master[begin:end].requires_grad_(), begin, end))
                 out.append((index, bucket.master_views[-1][0]))
         return out
+
+    def make_master(self, bucket: ZeroBucket, source: torch.Tensor) -> torch.Tensor:
+        """The fp32 master of `source` (the owned values): on the model's device,
+        the values themselves when they are fp32. Offload places it elsewhere."""
+        return source if source.dtype == torch.float32 else source.float()
+
+    def offloaded(self, bucket: ZeroBucket) -> bool:
+        """Whether the bucket's master and optimizer states live off the model's device."""
+        return False
+
+    def disk_nbytes(self) -> int:
+        """Model-state bytes this rank keeps in NVMe swap files."""
+        return 0
+
+    def offload_host_nbytes(self) -> int:
+        """Host memory an offload holds besides masters and optimizer states
+        (NVMe staging buffers, stage-3 shards kept on the host)."""
+        return 0
+
+    def offloaded_states(self) -> contextlib.AbstractContextManager:
+        """Inside: every bucket's `master` and the optimizer's state are ordinary
+        tensors (checkpoints read and write them there); on exit, states changed
+        inside go back to wherever they are offloaded."""
+        return contextlib.nullcontext()
 
     def owned_grads_fp32(self) -> list[torch.Tensor]:
         grads = [b.owned_grad() for b in self.buckets]
@@ -230,27 +256,51 @@ class ParamGroup:
         """Hands the optimizer the owned gradients times `coef` (unscale, clip),
         steps, and publishes the updated masters into the parameters."""
         for bucket, g in zip(self.buckets, grads):
-            if coef != 1.0:
-                g.mul_(coef)  # g is a scratch fp32 copy or the owned gradient, zeroed after the step
             for view, begin, end in bucket.master_views:
                 view.grad = g[begin:end]
-        optimizer.step()
+        published: set[int] = set()
+        if host_step.applies(optimizer):
+            outputs = self.host_outputs()
+            host_step.adam_step(optimizer, coef, outputs)
+            published = {b.span.index for b in self.buckets if all(id(v) in outputs for v, _, _ in b.master_views)}
+        else:
+            with unscaled(optimizer, coef) as fused:
+                if not fused:
+                    for g in grads:
+                        g.mul_(coef)  # g is a scratch fp32 copy or the owned gradient, zeroed after the step
+                optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        self.publish_masters()
+        self.publish_masters(published)
         self.zero_grads()
 
-    def publish_masters(self) -> None:
-        """Copies updated masters into the parameters; all-gathers resident buckets."""
+    def host_outputs(self) -> dict[int, torch.Tensor]:
+        """id(master slice) -> the 16-bit host parameter values it updates (the
+        fused host step writes them; fp32 or device parameters are published apart)."""
+        outputs = {}
+        for bucket in self.buckets:
+            target = self.publish_target(bucket)
+            if target.dtype in host_step.DTYPE_CODES and target.device.type == "cpu":
+                for view, begin, end in bucket.master_views:
+                    outputs[id(view)] = target[begin:end]
+        return outputs
+
+    def publish_masters(self, published: set[int] = frozenset()) -> None:
+        """Copies updated masters into the parameters (except the buckets in
+        `published`, already written); all-gathers resident buckets."""
         works = []
         for bucket in self.buckets:
-            target = bucket.shard if self.policy.shard_optimizer else \
-                (bucket.full if bucket.full is not None else bucket.shard)
-            if target.data_ptr() != bucket.master.data_ptr():
+            target = self.publish_target(bucket)
+            if bucket.span.index not in published and target.data_ptr() != bucket.master.data_ptr():
                 target.copy_(bucket.master)
             if self.policy.shard_optimizer and bucket.span.resident:
                 works.append(self.comm.all_gather(bucket.full, bucket.shard, async_op=True))
         for work in works:
             work.wait()
+
+    def publish_target(self, bucket: ZeroBucket) -> torch.Tensor:
+        """The 16-bit (or fp32) values the bucket's master is published into: its owned span."""
+        return bucket.shard if self.policy.shard_optimizer else \
+            (bucket.full if bucket.full is not None else bucket.shard)
 
     def full_masters(self) -> list[torch.Tensor]:
         """Every parameter's whole fp32 master, in parameter-index order (collective;

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <vector>
 
+#include "adam.h"
 #include "reduce.h"
 #include "shm.h"
 #include "shm_map.h"
@@ -30,6 +31,15 @@ void copy(uintptr_t dst, uintptr_t src, int64_t nbytes) {
   std::memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), static_cast<size_t>(nbytes));
 }
 
+void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp_avg_sq, uintptr_t out, int out_dtype,
+               int64_t numel, float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step,
+               float grad_coef, bool adamw, int num_threads) {
+  ringcomm::adam_step(reinterpret_cast<float*>(param), reinterpret_cast<const float*>(grad),
+                      reinterpret_cast<float*>(exp_avg), reinterpret_cast<float*>(exp_avg_sq),
+                      reinterpret_cast<void*>(out), ringcomm::to_dtype(out_dtype), numel,
+                      ringcomm::AdamHyper{lr, beta1, beta2, eps, weight_decay, step, grad_coef, adamw}, num_threads);
+}
+
 ShmConfig make_config(int64_t slot_nbytes, int num_slots, int64_t oneshot_max_nbytes, int64_t spin_ns) {
   return ShmConfig{slot_nbytes, num_slots, oneshot_max_nbytes, spin_ns};
 }
@@ -42,6 +52,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("reduce_n", &reduce_n, "dst = srcs[0] op srcs[1] op ...", py::arg("dst"), py::arg("srcs"), py::arg("numel"),
         py::arg("dtype"), py::arg("op"), py::arg("divisor") = 1, no_gil);
   m.def("copy", &copy, "memcpy of nbytes", py::arg("dst"), py::arg("src"), py::arg("nbytes"), no_gil);
+  m.def("adam_step", &adam_step, "fused Adam/AdamW: unscale, update, 16-bit copy-out (out=0: none)",
+        py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("out"),
+        py::arg("out_dtype"), py::arg("numel"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+        py::arg("weight_decay"), py::arg("step"), py::arg("grad_coef"), py::arg("adamw"), py::arg("num_threads"),
+        no_gil);
 
   // Test-only: an op descriptor as a peer writes it into its slot.
   py::class_<OpDesc>(m, "_DebugOpDesc")

@@ -1,0 +1,256 @@
+"""ZeRO-Infinity: a ParamGroup with offload to NVMe: optimizer states
+(zero/nvme.py) and, at stage 3, the 16-bit parameter shards of non-resident
+buckets (ShardSwap) live in swap files.
+
+[Note: swapped parameter shards]
+A swapped bucket's `shard` is an empty tensor between uses. start_unshard reads
+it into one of offload_param.buffer_count page-aligned buffers and all-gathers
+from there; the buffer returns to the pool when the gather finished (unshard or
+reshard). When every buffer is in use, the oldest gather is finished first.
+The step writes each updated shard back. The first buckets, up to max_in_cpu
+elements, keep their shards in memory.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from .config import AioOptions, OffloadOptions
+from .nvme import NvmeStates, check_optimizer
+from .offload import HostParamGroup
+from .param_group import ZeroBucket
+from .swap import IOPool, SwapFile, aligned_empty, round_up
+
+
+class ShardSwap:
+    """The swapped 16-bit shards; see [Note: swapped parameter shards]."""
+
+    def __init__(self, buckets: list[ZeroBucket], options: OffloadOptions, aio: AioOptions, *, rank: int) -> None:
+        kept, self.offsets, offset = 0, {}, 0
+        for bucket in buckets:
+            numel = bucket.shard.numel()
+            if bucket.span.resident or kept + numel <= options.max_in_cpu:
+                kept += 0 if bucket.span.resident else numel
+                continue
+            if numel > options.buffer_size:
+                raise ValueError(f"zero config: zero_optimization.offload_param.buffer_size ({options.buffer_size}) "
+                                 f"< a parameter shard of {numel} elements (bucket {bucket.span.index}, rank {rank})")
+            self.offsets[bucket.span.index] = offset
+            offset += round_up(numel * bucket.shard.element_size())
+        self.file = SwapFile(options.nvme_path, f"params-rank{rank}", offset, key="offload_param.nvme_path")
+        self.io = IOPool(aio)
+        largest = max((round_up(b.shard.nbytes) for b in buckets if b.span.index in self.offsets), default=0)
+        self.free = [aligned_empty(largest) for _ in range(min(options.buffer_count, len(self.offsets)))]
+        self.in_use: OrderedDict[int, torch.Tensor] = OrderedDict()  # bucket index -> its buffer, oldest first
+        self.staged: dict[int, tuple[torch.Tensor, list[int]]] = {}  # bucket -> (shard being updated, elements in)
+
+    def swapped(self, bucket: ZeroBucket) -> bool:
+        return bucket.span.index in self.offsets
+
+    def write(self, bucket: ZeroBucket, values: torch.Tensor) -> None:
+        """Writes `values` (the whole shard) to the bucket's region."""
+        raw = aligned_empty(values.nbytes)
+        raw[:values.nbytes].view(values.dtype).copy_(values)
+        self.io.write(self.file, self.offsets[bucket.span.index], raw[:round_up(values.nbytes)]).wait()
+
+    def read(self, bucket: ZeroBucket, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The bucket's shard, read into a pool buffer (held until release)."""
+        raw = self.free.pop()
+        nbytes = numel * dtype.itemsize
+        self.io.read(self.file, self.offsets[bucket.span.index], raw[:round_up(nbytes)]).wait()
+        self.in_use[bucket.span.index] = raw
+        return raw[:nbytes].view(dtype)
+
+    def release(self, bucket: ZeroBucket) -> bool:
+        """Returns the bucket's buffer to the pool; False when it held none."""
+        raw = self.in_use.pop(bucket.span.index, None)
+        if raw is not None:
+            self.free.append(raw)
+        return raw is not None
+
+    def stage(self, bucket: ZeroBucket, begin: int, values: torch.Tensor) -> None:
+        """Collects updated pieces of a swapped shard (the padding stays zero)
+        and writes the shard once every parameter slice of it arrived."""
+        index = bucket.span.index
+        if index not in self.staged:
+            self.staged[index] = (torch.zeros(bucket.owned.numel, dtype=bucket.shard.dtype), [0])
+        shard, arrived = self.staged[index]
+        shard[begin:begin + values.numel()].copy_(values)
+        arrived[0] += values.numel()
+        if arrived[0] >= sum(end - start for _, start, end in bucket.master_views):
+            self.write(bucket, shard)
+            del self.staged[index]
+
+    @property
+    def disk_nbytes(self) -> int:
+        return self.file.nbytes
+
+    @property
+    def offload_host_nbytes(self) -> int:
+        return sum(b.numel() for b in self.free) + sum(b.numel() for b in self.in_use.values())
+
+
+class NvmeParamGroup(HostParamGroup):
+    """offload_optimizer nvme (states in a swap file) and/or offload_param nvme
+    (stage 3 shards in a swap file)."""
+
+    def __init__(self, *args, optimizer: torch.optim.Optimizer, aio: AioOptions, sub_group_size: int,
+                 **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.optimizer = optimizer  # whose state the swapped moments are
+        self.aio, self.sub_group_size = aio, sub_group_size
+        self.states: NvmeStates | None = None
+        self.shards: ShardSwap | None = None
+        self.materialized = False
+        if self.options.device == "nvme":
+            check_optimizer(optimizer)
+
+    def setup_masters(self) -> list[tuple[int, torch.Tensor]]:
+        out = super().setup_masters()
+        rank = self.comm.rank
+        if self.options.device == "nvme":
+            self.states = NvmeStates(self.buckets, self.options, self.aio, sub_group_size=self.sub_group_size,
+                                     rank=rank)
+            self.states.write_initial([bucket.master for bucket in self.buckets])
+            out = self._detach_masters(out)
+        if self.param_options.device == "nvme" and self.policy.shard_params:
+            self.shards = ShardSwap(self.buckets, self.param_options, self.aio, rank=rank)
+            for bucket in self.buckets:
+                if self.shards.swapped(bucket):
+                    self.shards.write(bucket, bucket.shard)
+                    bucket.shard = self.placeholder(bucket)
+        return out
+
+    def _detach_masters(self, out: list[tuple[int, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
+        """Swaps the optimizer's parameters, views of the masters (a view keeps its
+        base alive), for leaf tensors that hold memory only while bound to a buffer."""
+        leaves = {}
+        for bucket in self.buckets:
+            bucket.master = None
+            for k, (view, begin, end) in enumerate(bucket.master_views):
+                leaf = self.states.empty.clone().requires_grad_()
+                leaves[id(view)] = leaf
+                bucket.master_views[k] = (leaf, begin, end)
+        return [(index, leaves[id(view)]) for index, view in out]
+
+    def offloaded(self, bucket: ZeroBucket) -> bool:
+        return self.states is not None or super().offloaded(bucket)
+
+    def disk_nbytes(self) -> int:
+        return sum(part.file.nbytes for part in (self.states, self.shards) if part is not None)
+
+    def offload_host_nbytes(self) -> int:
+        return super().offload_host_nbytes() + sum(part.offload_host_nbytes for part in (self.states, self.shards)
+                                                   if part is not None)
+
+    # ---- stage 3: swapped shards --------------------------------------------------------------
+    def start_unshard(self, bucket: ZeroBucket) -> None:
+        if self.shards is not None and self.shards.swapped(bucket) and bucket.full is None and bucket.gather is None:
+            if not self.shards.free:
+                self.unshard(self.buckets[next(iter(self.shards.in_use))])
+            shard = self.shards.read(bucket, bucket.span.local_chunk(bucket.rank).numel, bucket.shard.dtype)
+            bucket.shard = shard.to(self.device)  # a CUDA model: to the device, and the buffer could go now
+        super().start_unshard(bucket)
+
+    def unshard(self, bucket: ZeroBucket) -> None:
+        super().unshard(bucket)
+        self._release(bucket)
+
+    def reshard(self, bucket: ZeroBucket) -> None:
+        super().reshard(bucket)
+        self._release(bucket)
+
+    def _release(self, bucket: ZeroBucket) -> None:
+        if self.shards is not None and self.shards.release(bucket):
+            bucket.shard = self.placeholder(bucket)
+
+    # ---- the step ----------------------------------------------------------------------------
+    def owned_grads_fp32(self) -> Sequence[torch.Tensor]:
+        if self.states is None:
+            return super().owned_grads_fp32()
+        return Float32Grads([b.owned_grad() for b in self.buckets])
+
+    def step(self, optimizer: torch.optim.Optimizer, grads: Sequence[torch.Tensor], coef: float) -> None:
+        if self.states is None:
+            super().step(optimizer, grads, coef)
+            return
+        self.states.step(optimizer, grads.raw, coef, self.copy_out)
+        optimizer.zero_grad(set_to_none=True)
+        self.finish_publish()
+        self.zero_grads()
+
+    def copy_out(self, index: int, begin: int, values: torch.Tensor) -> None:
+        """Updated fp32 master values of bucket `index` from `begin` (owned span) into its parameters."""
+        bucket = self.buckets[index]
+        if self.shards is not None and self.shards.swapped(bucket):
+            self.shards.stage(bucket, begin, values)
+        else:
+            self.publish_target(bucket)[begin:begin + values.numel()].copy_(values)
+
+    def finish_publish(self) -> None:
+        """All-gathers resident buckets (swapped shards were written as they completed)."""
+        assert self.shards is None or not self.shards.staged, "every swapped shard was written"
+        works = [self.comm.all_gather(b.full, b.shard, async_op=True) for b in self.buckets
+                 if self.policy.shard_optimizer and b.span.resident]
+        for work in works:
+            work.wait()
+
+    def host_outputs(self) -> dict[int, torch.Tensor]:
+        outputs = super().host_outputs()
+        for bucket in self.buckets:
+            if self.shards is not None and self.shards.swapped(bucket):
+                for view, _, _ in bucket.master_views:
+                    outputs.pop(id(view), None)
+        return outputs
+
+    def publish_masters(self, published: set[int] = frozenset()) -> None:
+        with self._masters_in_memory(write_back=False):
+            for index, bucket in enumerate(self.buckets):
+                if index not in published:
+                    self.copy_out(index, 0, bucket.master)
+            self.finish_publish()
+
+    def full_masters(self) -> list[torch.Tensor]:
+        with self._masters_in_memory(write_back=False):
+            return super().full_masters()
+
+    def offloaded_states(self) -> contextlib.AbstractContextManager:
+        return self._masters_in_memory(write_back=True)
+
+    @contextlib.contextmanager
+    def _masters_in_memory(self, *, write_back: bool) -> Iterator[None]:
+        """Re-entrant: inside an outer one (a checkpoint calling full_masters) it does nothing."""
+        if self.states is None or self.materialized:
+            yield
+            return
+        self.states.materialize(self.optimizer)
+        self.materialized = True
+        try:
+            yield
+        finally:
+            self.materialized = False
+            self.states.release(self.optimizer, write_back=write_back)
+
+    def close(self) -> None:
+        for part in (self.states, self.shards):
+            if part is not None:
+                part.io.close()
+                part.file.close()
+
+
+class Float32Grads(Sequence):
+    """The owned gradients as fp32, converted one at a time when read (a whole
+    fp32 copy of every bucket would cost what NVMe offload saves)."""
+
+    def __init__(self, raw: list[torch.Tensor]) -> None:
+        self.raw = raw
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        g = self.raw[index]
+        return g if g.dtype == torch.float32 else g.float()
