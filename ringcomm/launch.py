@@ -58,21 +58,29 @@ class ThreadLaunch:
         self.launched_s = time.perf_counter()
         self._previous_end = previous_end
         self._done = threading.Event()
+        self._ok = False
         self.end_s = 0.0
         self.work = start(True)
         assert self.work is not None, "an async collective returns a Work"
         self._timed_by_callback = True
         if isinstance(self.work, Work):
-            self.work.add_done_callback(self._on_done)
+            work = self.work
+            work.add_done_callback(lambda: self._on_done(work.exception() is None))
         else:  # a torch.distributed Work
             try:
-                self.work.get_future().add_done_callback(lambda _future: self._on_done())
+                self.work.get_future().add_done_callback(lambda future: self._on_done(_succeeded(future)))
             except RuntimeError:  # "Work::getFuture not implemented"
                 self._timed_by_callback = False
 
-    def _on_done(self) -> None:
+    def _on_done(self, ok: bool) -> None:
+        self._ok = ok
         self.end_s = time.perf_counter()
         self._done.set()
+
+    def succeeded(self) -> bool:
+        """True once the collective has completed without error; never blocks
+        and never raises (a failure is raised by wait())."""
+        return self._done.is_set() and self._ok
 
     def wait(self, timeout: float) -> None:
         """Waits at most `timeout` s (the collective's own timeout may fire
@@ -81,10 +89,18 @@ class ThreadLaunch:
             raise RuntimeError(f"{self.what}: not finished within {timeout} s")
         self.work.wait()
         if not self._timed_by_callback and not self._done.is_set():
-            self._on_done()
+            self._on_done(True)
 
     def interval(self) -> tuple[float, float]:
         return max(self.launched_s, self._previous_end()), self.end_s
+
+
+def _succeeded(future: torch.futures.Future) -> bool:
+    try:
+        future.value()
+    except Exception:  # noqa: BLE001 (the error itself is raised by wait())
+        return False
+    return True
 
 
 class StreamLaunch:

@@ -16,7 +16,9 @@ view: later micro-steps accumulate into it in place and the reduced result is
 read through `.grad`. Without it (ZeRO) the hook adds `grad * scale` into the
 bucket (overwriting in a fresh accumulation window: no memset) and drops
 `.grad`. Sharded buckets (ZeRO stages 2-3) are transient: reduce-scattered
-every backward, their chunk folded into a chunk-sized accumulator, freed.
+every backward, their chunk folded into a chunk-sized accumulator and freed,
+during backward as soon as the reduce-scatter succeeded (CPU), so backward
+holds the buckets in flight, not the whole gradient.
 
 Timeline of one step (CPU; on CUDA the comm thread is a comm stream):
 
@@ -202,6 +204,7 @@ class BucketScheduler:
         self._observed: list[torch.nn.Parameter] = []
         self._next_launch = 0
         self._launches: list[ThreadLaunch | StreamLaunch] = []
+        self._in_flight: list[tuple[ThreadLaunch, GradBucket]] = []  # transient buckets not yet folded
         self._active = False
         for bucket in self.buckets:
             bucket.num_ready = 0
@@ -234,6 +237,7 @@ class BucketScheduler:
             self._bind(bucket, position, param)
             return
         if bucket.grad is None:
+            self._reclaim()
             self._track(bucket.nbytes)
         bucket.write(position, param.grad, self.scale)
         param.grad = None
@@ -281,6 +285,8 @@ class BucketScheduler:
         else:
             previous = self._launches[-1] if self._launches else None
             self._launches.append(ThreadLaunch(start, what, lambda: previous.end_s if previous else 0.0))
+            if bucket.accumulator is not None:
+                self._in_flight.append((self._launches[-1], bucket))
         if self.on_launch is not None:
             self.on_launch(bucket)
 
@@ -322,17 +328,33 @@ class BucketScheduler:
             self.buckets[k].num_ready += 1
 
     def _fold(self) -> None:
-        """Sharded buckets: add the reduced chunk to the accumulator (unless it
-        was reduced straight into it) and free the transient bucket."""
         for bucket in self.buckets:
-            if bucket.accumulator is not None and bucket.grad is not None:
-                if not bucket.accumulator_fresh:
-                    bucket.accumulator.add_(bucket.own_chunk())
-                bucket.accumulator_fresh = False
-                self._track(-bucket.nbytes)
-                bucket.release()
+            self._fold_bucket(bucket)
             bucket.fresh = False
             bucket.written.clear()
+
+    def _fold_bucket(self, bucket: GradBucket) -> None:
+        """A sharded bucket: adds the reduced chunk to the accumulator (unless it
+        was reduced straight into it) and frees the transient bucket."""
+        if bucket.accumulator is not None and bucket.grad is not None:
+            if not bucket.accumulator_fresh:
+                bucket.accumulator.add_(bucket.own_chunk())
+            bucket.accumulator_fresh = False
+            self._track(-bucket.nbytes)
+            bucket.release()
+
+    def _reclaim(self) -> None:
+        """Folds and frees, during backward, the transient buckets whose
+        reduce-scatter has already succeeded, so backward holds the buckets in
+        flight rather than the whole gradient (CPU launches; a failed one is
+        left for finish() to raise)."""
+        pending = []
+        for launch, bucket in self._in_flight:
+            if launch.succeeded():
+                self._fold_bucket(bucket)
+            else:
+                pending.append((launch, bucket))
+        self._in_flight = pending
 
     def _close_unsynced_backward(self) -> None:
         """End of a backward under no_sync(): written gradients stay in their
