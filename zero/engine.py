@@ -68,13 +68,16 @@ class ZeroEngine:
 
     def forward(self, *args, **kwargs):
         """Runs the module; floating-point inputs are cast to the model dtype."""
-        if self.parts.gatherer is not None:
-            self.parts.gatherer.start_forward()
-        dtype = self.parts.dtype
+        gatherer, dtype = self.parts.gatherer, self.parts.dtype
 
         def cast(x):
             return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-        return self.module(*tree_map(cast, args), **tree_map(cast, kwargs))
+        args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
+        if gatherer is None:
+            return self.module(*args, **kwargs)
+        gatherer.start_forward()
+        with gatherer.saved_weights():
+            return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Scales the loss (loss scale / accumulation steps), back-propagates and

@@ -7,14 +7,34 @@ order recorded on the previous forward. The hooks only call ParamGroup's verbs.
                last gradient of b_i (the scheduler): reduce-scatter, reshard(b_i)
 A module may use several buckets (a tied weight lives in its first module's
 bucket): it gathers all of them.
+
+[Note: saved weights]
+Autograd saves the weights a module's backward needs (Linear: weight.t()),
+views of the gathered bucket, so resharding after forward would free nothing
+until backward and stage 3 would hold every gathered parameter at the end of
+forward. Inside saved_weights(), a saved view of a gathered bucket is kept as
+(bucket, offset, size, stride) instead and rebuilt on use from the bucket as
+gathered again for backward (DeepSpeed's LinearFunctionForZeroStage3 does this
+for Linear only).
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from .param_group import ParamGroup, ZeroBucket
+
+
+class SavedSlice(NamedTuple):
+    """A saved tensor that is a view of a gathered bucket, by position."""
+
+    bucket: ZeroBucket
+    offset: int  # in elements, from the start of bucket.full
+    size: torch.Size
+    stride: tuple[int, ...]
 
 
 class ModuleGatherer:
@@ -34,6 +54,7 @@ class ModuleGatherer:
         self.in_use: dict[int, int] = {}  # id(bucket) -> modules in forward using it (nested modules may share one)
         self.handles: list = []
         self.peak_live_nbytes = 0  # gathered buckets at once, the communication buffers of stage 3
+        self.gathered: dict[int, ZeroBucket] = {}  # storage address -> a bucket gathered in this forward
 
     def register(self) -> None:
         for module in self.module_buckets:
@@ -45,6 +66,27 @@ class ModuleGatherer:
             self.order = self.current
         self.current = []
         self.in_use.clear()  # a forward that raised left its counts behind
+        self.gathered.clear()
+
+    def saved_weights(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """See [Note: saved weights]."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor | SavedSlice:
+        bucket = self.gathered.get(tensor.untyped_storage().data_ptr())
+        full = bucket.full if bucket is not None else None
+        if full is None or full.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr() \
+                or full.dtype != tensor.dtype:  # resharded since, and the address reused
+            return tensor
+        return SavedSlice(bucket, tensor.storage_offset() - full.storage_offset(), tensor.size(), tensor.stride())
+
+    def _unpack(self, saved: torch.Tensor | SavedSlice) -> torch.Tensor:
+        if not isinstance(saved, SavedSlice):
+            return saved
+        if saved.bucket.full is None:  # used outside its module's backward
+            self.group.unshard(saved.bucket)
+        full = saved.bucket.full
+        return full.as_strided(saved.size, saved.stride, full.storage_offset() + saved.offset)
 
     def _prefetch(self, bucket: ZeroBucket, direction: int) -> None:
         """Starts gathering the buckets after `bucket` in `direction` (+1 forward,
@@ -83,6 +125,9 @@ class ModuleGatherer:
                 self.current.append(bucket)
             self.in_use[id(bucket)] = self.in_use.get(id(bucket), 0) + 1
         self._unshard(buckets, +1)
+        for bucket in buckets:
+            if not bucket.span.resident:
+                self.gathered[bucket.full.untyped_storage().data_ptr()] = bucket
 
     def _post_forward(self, module: nn.Module, args: tuple, output: object) -> None:
         buckets = self.module_buckets[module]
