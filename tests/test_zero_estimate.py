@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 import os
 import re
 import subprocess
@@ -64,20 +65,21 @@ def test_megatron_activation_formula(s: int, b: int, h: int, a: int) -> None:
 def test_ladder_hand_made() -> None:
     gb, n = 1e9, 8
     job = mm.Job(1e9, n, largest_layer=1e7, reduce_bucket_size=1e6, prefetch_bucket_size=1e6)
-    # stage 2: 2 + 14/8 = 3.75 GB; + offload_optimizer: 2 GB on the device, 16/8 = 2 GB on the host
+    # stage 2: 2 + 14/8 = 3.75 GB; + offload_optimizer: 2 + 2/8 GB on the device, 12/8 GB on the host
     rungs = mm.ladder(job, 1, 3 * gb, host_nbytes=64 * gb / n)
     names = {r.name: r for r in rungs}
     assert names["stage 2"].need.device_nbytes == pytest.approx(3.75 * gb + 2e6)
     assert not names["stage 2"].fits
     assert mm.first_fit(rungs).name == "stage 2 + offload_optimizer (cpu)"
-    assert mm.first_fit(rungs).need.host_nbytes == pytest.approx(2 * gb)
-    # 1.5 GB: every stage-3 rung short of both offloads is over; those need 18/8 GB host per rank
+    assert mm.first_fit(rungs).need.device_nbytes == pytest.approx(2.25 * gb + 2e6)
+    assert mm.first_fit(rungs).need.host_nbytes == pytest.approx(1.5 * gb)
+    # 1.5 GB: stage 3 needs 16/8, + offload_param 14/8; with both 2/8 on the device, 14/8 GB host per rank
     rungs = mm.ladder(job, 1, 1.5 * gb, host_nbytes=64 * gb / n)
     assert mm.first_fit(rungs).name == "stage 3 + offload_param + offload_optimizer (cpu)"
-    assert mm.first_fit(rungs).need.host_nbytes == pytest.approx(18 / 8 * gb)
-    # the same with 2 GB of host per rank: NVMe
-    assert mm.first_fit(mm.ladder(job, 1, 1.5 * gb, 2 * gb)) is None
-    rungs = mm.ladder(job, 1, 1.5 * gb, 2 * gb, nvme_nbytes=10 * gb)
+    assert mm.first_fit(rungs).need.host_nbytes == pytest.approx(14 / 8 * gb)
+    # the same with 1.5 GB of host per rank: NVMe
+    assert mm.first_fit(mm.ladder(job, 1, 1.5 * gb, 1.5 * gb)) is None
+    rungs = mm.ladder(job, 1, 1.5 * gb, 1.5 * gb, nvme_nbytes=10 * gb)
     assert mm.first_fit(rungs).name == "+ NVMe (offload_param + offload_optimizer)"
     # activations decide: micro batch 8 of a 24-layer 2048-wide transformer
     shape = mm.TransformerShape(2048, 8, 2048, 24, 16)
@@ -100,16 +102,16 @@ def test_counts_match_deepspeed() -> None:
         total, largest = model_to_params(build())
         assert (count.num_params, count.largest_layer) == (total, largest), build.__name__
         job = mm.Job(total, 4, largest_layer=largest, reduce_bucket_size=0)
-        # ZeRO-Offload: the device keeps the 16-bit parameters only (DeepSpeed's gpu_mem)
+        # the device keeps the 16-bit parameters, and this engine its 16-bit gradient shard too
         offload = mm.need(job, mm.Plan(stage=2, offload_optimizer="cpu", mixed_precision=True))
         _, gpu_mem = estimate_zero2_model_states_mem_needs(total, num_gpus_per_node=4, cpu_offload=True)
-        assert offload.device_nbytes == gpu_mem, build.__name__
-        # ZeRO-Infinity: nothing but gathered parameters (DeepSpeed: 4 bytes of the largest layer)
+        assert offload.device_nbytes == gpu_mem + 2 * total / 4, build.__name__
+        # both offloads at stage 3: the gradient shard and the gathered parameters (DeepSpeed: those only)
         both = mm.need(job, mm.Plan(stage=3, offload_optimizer="cpu", offload_param="cpu", mixed_precision=True))
         _, gpu_mem, largest_memory = estimate_zero3_model_states_mem_needs(total, largest, 4)
         assert both.device_nbytes - mm.comm_buffers(total, 3, 2, reduce_bucket_size=0, prefetch_bucket_size=5e7,
                                                     max_live_parameters=1e9, largest_layer=largest).total \
-            == gpu_mem - largest_memory == 0
+            == gpu_mem - largest_memory + 2 * total / 4
 
 
 def states_worker(rank: int, world_size: int) -> list[str]:
@@ -139,8 +141,44 @@ def states_worker(rank: int, world_size: int) -> list[str]:
     return lines
 
 
-def test_model_states_match_memory_report() -> None:
+def offload_worker(rank: int, world_size: int, nvme_path: str) -> None:
+    """The offload rungs against the engine: bytes on the device, the host and
+    NVMe per rank (bf16 + Adam; NVMe staging buffers are the engine's own)."""
+    for build in (small, mlp):
+        for stage, offload in ((1, "cpu"), (2, "cpu"), (3, "nvme")):
+            torch.manual_seed(0)
+            model = build()
+            section = {"device": offload, "nvme_path": nvme_path}
+            zero_cfg = {"stage": stage, "reduce_bucket_size": 5000, "stage3_param_persistence_threshold": 40,
+                        "offload_optimizer": section}
+            if stage == 3:
+                zero_cfg["offload_param"] = dict(section, max_in_cpu=0)
+            cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+                   "bf16": {"enabled": True}, "zero_optimization": zero_cfg}
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                engine, *_ = zero.initialize(model=model, config=cfg)
+            x = torch.randint(0, 32, (2, 5)) if build is not mlp else torch.randn(2, 100)
+            engine.backward(engine(x).float().square().mean())
+            engine.step()
+            report = engine.memory_report()
+            job = estimate(model=build, ranks=world_size, persistence_threshold=40, mixed_precision=True).job
+            plan = mm.Plan(stage=stage, offload_optimizer=offload, offload_param=offload if stage == 3 else "none",
+                           mixed_precision=True)
+            need = mm.need(replace(job, reduce_bucket_size=0, max_live_parameters=0), plan)  # states only
+            case = f"rank {rank} {build.__name__} stage {stage} {offload} {report}"
+            measured = (report.device_nbytes, report.disk_nbytes if offload == "nvme" else report.host_nbytes)
+            expected = (need.device_nbytes, need.nvme_nbytes if offload == "nvme" else need.host_nbytes)
+            # swap files page-align each part: 3 per sub-group (master, exp_avg, exp_avg_sq), 1 per bucket's shard
+            aligned = 4096 * (3 + len(engine.parts.group.buckets)) if offload == "nvme" else 0
+            for got, want, where in zip(measured, expected, ("device", offload)):
+                assert want * 0.98 <= got <= want * 1.02 + aligned, \
+                    f"{case} {where}: measured {got} B, estimate {want:.0f} B"
+
+
+def test_model_states_match_memory_report(tmp_path) -> None:
     run_ranks(states_worker, 2, timeout=240)
+    run_ranks(offload_worker, 2, str(tmp_path), timeout=240)
 
 
 @pytest.mark.parametrize("vocab,hidden,heads,layers,batch,seq", SHAPES)

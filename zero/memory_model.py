@@ -15,9 +15,12 @@ s*b*h*(attention 5 + norm inputs 2 + MLP) + a*s*s*b elements (+ dropout), the
 MLP term 1 + 2*ratio for an activation that saves its input (GeLU) or
 1 + ratio for one that saves its output, which is the next input (ReLU); in
 16 bits with dropout that is the paper's s*b*h*(34 + 5*a*s/h) bytes.
-Offload rungs use the ZeRO-Offload arithmetic: the host keeps fp32 master,
-fp32 gradients and Adam states (16 bytes per parameter, divided by the ranks);
-with offload_param also the 16-bit parameters (ZeRO-Infinity).
+Offload follows this engine (zero/offload.py, zero/infinity.py), which
+keeps its 16-bit gradient accumulators on the device: offload_optimizer moves
+the optimizer states (fp32 master and Adam's moments, K bytes per parameter,
+divided by the ranks) to the host or NVMe, offload_param (stage 3) the 16-bit
+parameter shards. DeepSpeed's ZeRO-Offload moves fp32 gradients too (16 bytes
+per parameter on the host, none on the device).
 """
 from __future__ import annotations
 
@@ -26,7 +29,6 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 STAGES = (0, 1, 2, 3)
-HOST_STATE_BYTES = 16  # ZeRO-Offload: fp32 master 4 + fp32 gradient 4 + Adam 8 per parameter
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,12 +189,11 @@ def need(job: Job, plan: Plan) -> Need:
     states = model_states(psi, n, plan.stage, precision, job.resident_params)
     device_params, device_grads, device_optimizer = states
     offloaded = 0.0
-    if plan.offload_optimizer != "none":  # master, fp32 gradients and Adam states move off the device
-        device_grads, device_optimizer = 0.0, 0.0
-        offloaded += HOST_STATE_BYTES * psi / n
-    if plan.offload_param != "none":  # stage 3: only the gathered modules stay on the device
-        device_params = 0.0
-        offloaded += p * psi / n
+    if plan.offload_optimizer != "none":  # [Note: what is counted]: the gradients stay
+        offloaded, device_optimizer = offloaded + device_optimizer, 0.0
+    if plan.offload_param != "none":  # stage 3: the shards leave; gathered modules and persistent ones stay
+        whole = p * job.resident_params
+        offloaded, device_params = offloaded + device_params - whole, whole
     buffers = comm_buffers(psi, plan.stage, p, reduce_bucket_size=job.reduce_bucket_size,
                            prefetch_bucket_size=job.prefetch_bucket_size,
                            max_live_parameters=job.max_live_parameters, largest_layer=job.largest_layer)

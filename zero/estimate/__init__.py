@@ -158,7 +158,7 @@ class Estimate:
         lines += [f"  stage {stage}: {b.total / GB:.3f} GB" for stage, b in self.buffer_rows]
         if self.rungs:
             lines.append(f"out-of-memory ladder, device {self.device_nbytes / GB:.1f} GB per rank "
-                         "(offload rungs: ZeRO-Offload / ZeRO-Infinity arithmetic)")
+                         "(offload as this engine does it: gradients stay on the device)")
             for rung in self.rungs:
                 need = rung.need
                 lines.append(f"  {'fits' if rung.fits else 'OOM ':4s}  {rung.name:50s} device "
