@@ -114,23 +114,27 @@ def test_counts_match_deepspeed() -> None:
             == gpu_mem - largest_memory + 2 * total / 4
 
 
+def trained_engine(build, bf16: bool, zero_section: dict):
+    """An engine on build()'s model after one step (Adam, so every state exists)."""
+    torch.manual_seed(0)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+           "bf16": {"enabled": bf16},
+           "zero_optimization": {"reduce_bucket_size": 5000, "stage3_param_persistence_threshold": 40, **zero_section}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, *_ = zero.initialize(model=build(), config=cfg)
+    x = torch.randint(0, 32, (2, 5)) if build is not mlp else torch.randn(2, 100)
+    engine.backward(engine(x).float().square().mean())
+    engine.step()
+    return engine
+
+
 def states_worker(rank: int, world_size: int) -> list[str]:
     lines = []
     for build in (small, wide, mlp):
         for dtype_name in ("fp32", "bf16"):
             for stage in range(4):
-                torch.manual_seed(0)
-                model = build()
-                cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-                       "bf16": {"enabled": dtype_name == "bf16"},
-                       "zero_optimization": {"stage": stage, "reduce_bucket_size": 5000,
-                                             "stage3_param_persistence_threshold": 40}}
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    engine, *_ = zero.initialize(model=model, config=cfg)
-                x = torch.randint(0, 32, (2, 5)) if build is not mlp else torch.randn(2, 100)
-                engine.backward(engine(x).float().square().mean())
-                engine.step()
+                engine = trained_engine(build, dtype_name == "bf16", {"stage": stage})
                 measured = engine.memory_report().model_state_nbytes
                 row = estimate(model=build, ranks=world_size, persistence_threshold=40,
                                mixed_precision=dtype_name == "bf16").stage_rows[stage]
@@ -146,27 +150,17 @@ def offload_worker(rank: int, world_size: int, nvme_path: str) -> None:
     NVMe per rank (bf16 + Adam; NVMe staging buffers are the engine's own)."""
     for build in (small, mlp):
         for stage, offload in ((1, "cpu"), (2, "cpu"), (3, "nvme")):
-            torch.manual_seed(0)
-            model = build()
             section = {"device": offload, "nvme_path": nvme_path}
-            zero_cfg = {"stage": stage, "reduce_bucket_size": 5000, "stage3_param_persistence_threshold": 40,
-                        "offload_optimizer": section}
+            zero_section = {"stage": stage, "offload_optimizer": section}
             if stage == 3:
-                zero_cfg["offload_param"] = dict(section, max_in_cpu=0)
-            cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-                   "bf16": {"enabled": True}, "zero_optimization": zero_cfg}
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                engine, *_ = zero.initialize(model=model, config=cfg)
-            x = torch.randint(0, 32, (2, 5)) if build is not mlp else torch.randn(2, 100)
-            engine.backward(engine(x).float().square().mean())
-            engine.step()
+                zero_section["offload_param"] = dict(section, max_in_cpu=0)
+            engine = trained_engine(build, True, zero_section)
             report = engine.memory_report()
             job = estimate(model=build, ranks=world_size, persistence_threshold=40, mixed_precision=True).job
             plan = mm.Plan(stage=stage, offload_optimizer=offload, offload_param=offload if stage == 3 else "none",
                            mixed_precision=True)
             need = mm.need(replace(job, reduce_bucket_size=0, max_live_parameters=0), plan)  # states only
-            case = f"rank {rank} {build.__name__} stage {stage} {offload} {report}"
+            case = f"rank {rank} {build.__name__} stage {stage} {offload}: {report}"
             measured = (report.device_nbytes, report.disk_nbytes if offload == "nvme" else report.host_nbytes)
             expected = (need.device_nbytes, need.nvme_nbytes if offload == "nvme" else need.host_nbytes)
             # swap files page-align each part: 3 per sub-group (master, exp_avg, exp_avg_sq), 1 per bucket's shard
