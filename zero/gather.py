@@ -73,6 +73,8 @@ class ModuleGatherer:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor | SavedSlice:
+        if tensor.layout != torch.strided:  # sparse and nested tensors have no storage to look up
+            return tensor
         bucket = self.gathered.get(tensor.untyped_storage().data_ptr())
         full = bucket.full if bucket is not None else None
         if full is None or full.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr() \
