@@ -1,8 +1,6 @@
 """Assembles a ZeroEngine: process group, config, buckets, optimizer, hooks."""
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -22,7 +20,6 @@ from .offload import HostParamGroup
 from .param_group import ParamGroup, build_buckets
 from .precision import make_scaler
 
-log = logging.getLogger("zero")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
