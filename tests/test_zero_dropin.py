@@ -156,68 +156,75 @@ def test_grad_norm_matches_plain_pytorch() -> None:
             assert abs(ours / torch_norm - 1) < 3e-7, f"{case}: {ours} != clip_grad_norm_'s {torch_norm}"
 
 
+def gathered_run(script, rank: int, stage: int, init: bool, modify: str) -> list[float]:
+    """Losses of 3 steps; ln_f.bias is set to 0.5 on rank 0 through
+    GatheredParameters before the engine is built, after it, or not at all.
+    After it, a change without a modifier rank must be dropped."""
+    deepspeed = script.deepspeed
+    torch.manual_seed(0)
+    with deepspeed.zero.Init(enabled=init):
+        model = script.GPT()
+    if modify == "before":
+        with deepspeed.zero.GatheredParameters(model.ln_f.bias, modifier_rank=0):
+            if rank == 0:
+                model.ln_f.bias.data.fill_(0.5)
+    engine, *_ = deepspeed.initialize(model=model, config=script.config(stage, "fp32"))
+    if modify == "after":
+        bias = engine.module.ln_f.bias
+        with deepspeed.zero.GatheredParameters(bias, modifier_rank=0):
+            if rank == 0:
+                bias.data.fill_(0.5)
+        for dropped in (7.0, None):
+            with deepspeed.zero.GatheredParameters(bias):
+                assert torch.equal(bias, torch.full((script.EMBD,), 0.5)), f"rank {rank}"
+                if dropped is not None:
+                    bias.data.fill_(dropped)  # no modifier rank: dropped
+    losses = []
+    for step in range(3):
+        for micro in range(script.ACCUMULATION):
+            loss = engine(*script.batch(step, micro, rank))
+            engine.backward(loss)
+            engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def no_sync_run(script, rank: int, stage: int, use_no_sync: bool) -> tuple[list[float], int]:
+    """Micro-batches 0 and 1 of step 0 at a boundary, the first inside no_sync
+    when asked: the parameters' sums after the step, and the bytes the first sent."""
+    deepspeed = script.deepspeed
+    torch.manual_seed(0)
+    model = script.GPT()
+    engine, *_ = deepspeed.initialize(model=model, config={**script.config(stage, "fp32"),
+                                                           "gradient_accumulation_steps": 1})
+    comm = engine.parts.comm
+    with engine.no_sync() if use_no_sync else contextlib.nullcontext():
+        sent = comm.sent_nbytes
+        engine.backward(engine(*script.batch(0, 0, rank)))
+        sent = comm.sent_nbytes - sent
+    engine.backward(engine(*script.batch(0, 1, rank)))
+    engine.step()
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        return [p.detach().sum().item() for p in engine.module.parameters()], sent
+
+
 def gathered_after_engine_worker(rank: int, world_size: int) -> None:
     """zero's GatheredParameters on an engine's stage-3 parameters: a change made
     on the modifier rank reaches every rank and the fp32 master (training goes on
-    exactly as if it had been made before the engine was built); without a
-    modifier rank changes are dropped. Init also feeds a stage-1 engine.
-    no_sync: a boundary backward inside sends nothing, and the step is the
-    same as with both gradients reduced."""
+    exactly as if it had been made before the engine was built). Init also feeds
+    a stage-1 engine. no_sync: a boundary backward inside sends nothing, and the
+    step is the same as with both gradients reduced."""
     import warnings
 
     warnings.simplefilter("ignore")
     script = load_script("zero")
-    deepspeed = script.deepspeed
-
-    def run(stage: int, init: bool, modify: str) -> list[float]:
-        torch.manual_seed(0)
-        with deepspeed.zero.Init(enabled=init):
-            model = script.GPT()
-        if modify == "before":
-            with deepspeed.zero.GatheredParameters(model.ln_f.bias, modifier_rank=0):
-                if rank == 0:
-                    model.ln_f.bias.data.fill_(0.5)
-        engine, *_ = deepspeed.initialize(model=model, config=script.config(stage, "fp32"))
-        if modify == "after":
-            with deepspeed.zero.GatheredParameters(engine.module.ln_f.bias, modifier_rank=0):
-                if rank == 0:
-                    engine.module.ln_f.bias.data.fill_(0.5)
-            with deepspeed.zero.GatheredParameters(engine.module.ln_f.bias):
-                assert torch.equal(engine.module.ln_f.bias, torch.full((script.EMBD,), 0.5)), f"rank {rank}"
-                engine.module.ln_f.bias.data.fill_(7.0)  # no modifier rank: dropped
-            with deepspeed.zero.GatheredParameters(engine.module.ln_f.bias):
-                assert torch.equal(engine.module.ln_f.bias, torch.full((script.EMBD,), 0.5)), f"rank {rank}"
-        losses = []
-        for step in range(3):
-            for micro in range(script.ACCUMULATION):
-                loss = engine(*script.batch(step, micro, rank))
-                engine.backward(loss)
-                engine.step()
-            losses.append(loss.item())
-        return losses
-
-    assert run(3, True, "after") == run(3, True, "before"), f"rank {rank}: modified after the engine"
-    assert run(1, True, "none") == run(1, False, "none"), f"rank {rank}: Init feeding a stage-1 engine"
-
-    def no_sync_run(stage: int, use_no_sync: bool) -> tuple[list[float], int]:
-        """Micro-batches 0 and 1 of step 0 at a boundary: the first inside no_sync."""
-        torch.manual_seed(0)
-        model = script.GPT()
-        engine, *_ = deepspeed.initialize(model=model, config={**script.config(stage, "fp32"),
-                                                               "gradient_accumulation_steps": 1})
-        comm = engine.parts.comm
-        with engine.no_sync() if use_no_sync else contextlib.nullcontext():
-            sent = comm.sent_nbytes
-            engine.backward(engine(*script.batch(0, 0, rank)))
-            sent = comm.sent_nbytes - sent
-        engine.backward(engine(*script.batch(0, 1, rank)))
-        engine.step()
-        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
-            return [p.detach().sum().item() for p in engine.module.parameters()], sent
-
+    assert gathered_run(script, rank, 3, True, "after") == gathered_run(script, rank, 3, True, "before"), \
+        f"rank {rank}: modified after the engine"
+    assert gathered_run(script, rank, 1, True, "none") == gathered_run(script, rank, 1, False, "none"), \
+        f"rank {rank}: Init feeding a stage-1 engine"
     for stage in (0, 1):
-        quiet, sent_quiet = no_sync_run(stage, True)
-        loud, sent_loud = no_sync_run(stage, False)
+        quiet, sent_quiet = no_sync_run(script, rank, stage, True)
+        loud, sent_loud = no_sync_run(script, rank, stage, False)
         assert sent_quiet == 0 < sent_loud, f"rank {rank} stage {stage}: no_sync sent {sent_quiet} bytes"
         assert quiet == pytest.approx(loud, abs=1e-5), f"rank {rank} stage {stage}: no_sync changed the step"
 

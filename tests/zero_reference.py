@@ -62,6 +62,24 @@ class TorchAttention(nn.Module):
         return self.head(self.attn(x, x, x, need_weights=False)[0].transpose(0, 1))
 
 
+def activation_peaks(model: nn.Module, tokens: torch.Tensor, loss) -> dict[bool, int]:
+    """Peak bytes autograd holds in one forward and backward of copies of
+    `model`, without (False) and with (True) every Block checkpointed."""
+    from zero import checkpointing
+
+    peaks = {}
+    for checkpointed in (False, True):
+        checkpointing.reset()
+        run = copy.deepcopy(model)
+        if checkpointed:
+            checkpointing.checkpoint_modules(run, Block)
+        with checkpointing.measure() as stats:
+            loss(run(tokens)).backward()
+        peaks[checkpointed] = stats.peak_nbytes
+    checkpointing.reset()
+    return peaks
+
+
 def make_model(kind: str) -> nn.Module:
     torch.manual_seed(1234)
     if kind == "mlp":
