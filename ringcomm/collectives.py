@@ -1,13 +1,46 @@
 """Public collectives: check the caller's arguments, then hand the tensors
-to the group's transport (inline, or on its comm thread with async_op=True)."""
+to the group's transport (inline, or on its comm thread with async_op=True).
+
+[Note: lean path] A synchronous call on plain CPU tensors (torch.Tensor
+itself, not a subclass) that are contiguous, of a ringcomm dtype, sized
+consistently and not overlapping other than in the exact in-place forms,
+on a group whose transport has lean calls and nothing queued, goes straight to
+the C++ op: a few attribute reads and one call (csrc/cpu/module.cpp, [Note:
+lean calls]). Every other call takes the checked path below it, which raises
+the errors. The C++ op still checks, across ranks, that all called the same
+op, dtype and size, and that one thread at a time uses the group.
+"""
 from __future__ import annotations
 
 import torch
 
-from . import aliasing
+from . import _C, aliasing
 from .group import Group, resolve_group
 from .ops import DTYPE_CODES, ReduceOp, dtype_code, to_reduce_op
 from .work import Work
+
+_Tensor = torch.Tensor
+
+
+def _lean_pair(output: object, input: object, big: torch.Tensor, small: torch.Tensor, rank: int,
+               world_size: int) -> int | None:
+    """The dtype code when (output, input) may take the lean path of
+    reduce_scatter/all_gather: `big` holds world_size chunks the size of
+    `small`, and they do not overlap unless `small` is chunk `rank` of `big`.
+    None sends the call down the checked path."""
+    if type(output) is not _Tensor or type(input) is not _Tensor:
+        return None
+    code = DTYPE_CODES.get(output.dtype)
+    if (code is None or input.dtype is not output.dtype or not (output.is_cpu and input.is_cpu)
+            or not (output.is_contiguous() and input.is_contiguous())):
+        return None
+    small_nbytes = small.nbytes
+    if big.nbytes != world_size * small_nbytes:
+        return None
+    big_ptr, small_ptr = big.data_ptr(), small.data_ptr()
+    if small_ptr < big_ptr + world_size * small_nbytes and big_ptr < small_ptr + small_nbytes:
+        return code if small_ptr == big_ptr + rank * small_nbytes else None
+    return code
 
 
 def _check(op: str, name: str, tensor: object, group: Group) -> None:
@@ -34,7 +67,18 @@ def all_reduce(tensor: torch.Tensor, op: object = ReduceOp.SUM, group: Group | N
                async_op: bool = False, *, output: torch.Tensor | None = None) -> Work | None:
     """`tensor` (or `output`, when given, leaving `tensor` unchanged) becomes the
     reduction of `tensor` over all ranks."""
-    group = resolve_group(group, "all_reduce")
+    if type(group) is not Group:
+        group = resolve_group(group, "all_reduce")
+    handle = group.lean_handle
+    if handle is not None and output is None and not async_op and type(op) is ReduceOp and type(tensor) is _Tensor:
+        code = DTYPE_CODES.get(tensor.dtype)
+        if code is not None and tensor.is_cpu and tensor.is_contiguous():
+            ptr = tensor.data_ptr()
+            try:
+                _C.all_reduce_lean(handle, ptr, ptr, tensor.numel(), code, op, group.timeout_s)
+            except RuntimeError as err:
+                raise group.explain(err) from None
+            return None
     redop = op if type(op) is ReduceOp else to_reduce_op(op, where=f"all_reduce on rank {group.rank}")
     _check("all_reduce", "tensor", tensor, group)
     if output is None:
@@ -53,7 +97,18 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: object = Reduc
                    async_op: bool = False) -> Work | None:
     """torch's reduce_scatter_tensor: input holds world_size chunks of output.numel()
     elements; rank r's output becomes chunk r reduced over all ranks."""
-    group = resolve_group(group, "reduce_scatter")
+    if type(group) is not Group:
+        group = resolve_group(group, "reduce_scatter")
+    handle = group.lean_handle
+    if handle is not None and not async_op and type(op) is ReduceOp:
+        code = _lean_pair(output, input, input, output, group.rank, group.world_size)
+        if code is not None:
+            try:
+                _C.reduce_scatter_lean(handle, input.data_ptr(), output.data_ptr(), output.numel(), code, op,
+                                       group.timeout_s)
+            except RuntimeError as err:
+                raise group.explain(err) from None
+            return None
     redop = op if type(op) is ReduceOp else to_reduce_op(op, where=f"reduce_scatter on rank {group.rank}")
     _check("reduce_scatter", "output", output, group)
     _check("reduce_scatter", "input", input, group)
@@ -68,7 +123,17 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: object = Reduc
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group | None = None,
                async_op: bool = False) -> Work | None:
     """torch's all_gather_into_tensor: output chunk r becomes rank r's input."""
-    group = resolve_group(group, "all_gather")
+    if type(group) is not Group:
+        group = resolve_group(group, "all_gather")
+    handle = group.lean_handle
+    if handle is not None and not async_op:
+        code = _lean_pair(output, input, output, input, group.rank, group.world_size)
+        if code is not None:
+            try:
+                _C.all_gather_lean(handle, input.data_ptr(), output.data_ptr(), input.numel(), code, group.timeout_s)
+            except RuntimeError as err:
+                raise group.explain(err) from None
+            return None
     _check("all_gather", "output", output, group)
     _check("all_gather", "input", input, group)
     _check_pair("all_gather", output, input, group)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import os
+import re
 import socket
 import threading
 import time
@@ -50,6 +51,7 @@ class Group:
         self.transport = transport
         self.rank = transport.rank
         self.world_size = transport.world_size
+        self.timeout_s = transport.timeout_s
         self.global_ranks = global_ranks
         self._owned_pg = owned_pg  # shut down with the group
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -58,6 +60,11 @@ class Group:
         self._closed = False
         self._caller: threading.Thread | None = None  # see [Note: one caller thread]
         self._in_flight = 0
+        # The transport's handle for lean calls (collectives.py), or None while
+        # they must not run inline: the transport has none, work is queued on the
+        # comm thread, or the group is closed.
+        self.lean_handle = getattr(transport, "handle", None)
+        self._idle_handle = self.lean_handle
 
     def run(self, op: str, fn: Callable[[], None], async_op: bool) -> Work | None:
         """Runs a collective: inline when nothing is queued and the caller waits,
@@ -66,6 +73,8 @@ class Group:
         if inline:
             try:
                 fn()
+            except RuntimeError as err:
+                raise self.explain(err) from None
             finally:
                 self._leave()
             return None
@@ -83,12 +92,26 @@ class Group:
                 self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ringcomm-r{self.rank}")
             future = self._executor.submit(timed)
             self._last = future
+            self.lean_handle = None
         future.add_done_callback(self._finished)
         work = Work(future, op, self.rank, timing)
         if not async_op:
             work.wait()
             return None
         return work
+
+    def explain(self, err: RuntimeError) -> RuntimeError:
+        """`err` with the kernel thread ids the transport names (its check of
+        [Note: one caller thread]) replaced by thread names."""
+        message = str(err)
+        if "thread id" not in message:
+            return err
+        names = {t.native_id: t.name for t in threading.enumerate()}
+        def name(match: re.Match) -> str:
+            ident = int(match[1])
+            return f"thread {names[ident]!r}" if ident in names else match[0]
+
+        return RuntimeError(re.sub(r"thread id (\d+)", name, message))
 
     def _enter(self, op: str, async_op: bool) -> bool:
         """Checks that the group is open and not in use by another thread; counts
@@ -115,6 +138,8 @@ class Group:
             self._in_flight -= 1
             if self._last is future:
                 self._last = None
+                if not self._closed:
+                    self.lean_handle = self._idle_handle
 
     def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Collective: a 1-D tensor that this group's collectives can use without
@@ -130,6 +155,7 @@ class Group:
             if self._closed:
                 return
             self._closed = True
+            self.lean_handle = self._idle_handle = None
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True)

@@ -13,13 +13,21 @@ from ringcomm import ReduceOp
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64]
 GLOO_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.AVG: dist.ReduceOp.SUM, ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
             ReduceOp.MIN: dist.ReduceOp.MIN, ReduceOp.MAX: dist.ReduceOp.MAX}
-# Tiny segments so that small tensors already take the multi-segment paths.
-SMALL_SEGMENTS = dict(shm=ringcomm.ShmOptions(slot_nbytes=256, num_slots=2, oneshot_max_nbytes=64),
-                      torch_dist=ringcomm.TorchDistOptions(segment_nbytes=96))
+# Tiny segments so that small tensors already take the multi-segment paths;
+# "shm" stages every plain tensor, "shm-cma" reads plain tensors of 128 bytes
+# and more from peers by cross-memory attach (single copy).
+SMALL_SHM = ringcomm.ShmOptions(slot_nbytes=256, num_slots=2, oneshot_max_nbytes=64, cma=False)
+SMALL_CMA = ringcomm.ShmOptions(slot_nbytes=256, num_slots=2, oneshot_max_nbytes=64, cma_min_nbytes=128)
+SMALL_TORCH_DIST = ringcomm.TorchDistOptions(segment_nbytes=96)
 
 
 def make_group(transport: str, timeout: float = 30.0) -> ringcomm.Group:
-    return ringcomm.new_group(transport=transport, timeout=timeout, **SMALL_SEGMENTS)
+    shm = SMALL_CMA if transport == "shm-cma" else SMALL_SHM
+    group = ringcomm.new_group(transport=transport.removesuffix("-cma"), timeout=timeout, shm=shm,
+                               torch_dist=SMALL_TORCH_DIST)
+    if transport == "shm-cma" and group.world_size > 1:
+        assert "CMA (process_vm_readv)" in group.transport.describe(), group.transport.describe()
+    return group
 
 
 def sizes(world_size: int) -> list[int]:
@@ -160,6 +168,64 @@ def check_bf16_rounds_once(rank, world_size, transport):
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_collectives_match_gloo(world_size, transport):
     run_ranks(check_against_gloo, world_size, transport, timeout=240)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_single_copy_matches_gloo(world_size):
+    """Plain tensors read from peers by cross-memory attach (CMA)."""
+    run_ranks(check_against_gloo, world_size, "shm-cma", timeout=240)
+
+
+def boundary_numels(nbytes: int, unit: int) -> list[int]:
+    """Numels whose size (numel * unit bytes) is just below, at (or just past) and above `nbytes`."""
+    at = -(-nbytes // unit)
+    return sorted({max(at - 1, 0), at, at + 1})
+
+
+def check_thresholds(rank, world_size):
+    """Every algorithm switch of the shm transport, at sizes just below, at and
+    just above it: the staged one-shot and two-shot all-reduce (oneshot_max,
+    slot size), single copy by CMA (cma_min), with the default options and
+    with tiny ones; the lean path and the checked path (async) agree with gloo."""
+    defaults = ringcomm.ShmOptions()
+    tiny = ringcomm.ShmOptions(slot_nbytes=512, num_slots=2, oneshot_max_nbytes=128, cma_min_nbytes=256)
+    case = 0
+    for options in (tiny, defaults):
+        group = ringcomm.new_group(transport="shm", timeout=60, shm=options)
+        bounds = (options.oneshot_max_nbytes, options.cma_min_nbytes, options.slot_nbytes)
+        for dtype, op in ((torch.float32, ReduceOp.SUM), (torch.bfloat16, ReduceOp.AVG), (torch.int64, ReduceOp.MAX)):
+            esize = torch.empty(0, dtype=dtype).element_size()
+            for bound in bounds:
+                for numel in boundary_numels(bound, esize * world_size):  # all_reduce: numel * esize bytes
+                    case += 1
+                    what = f"rank {rank} {dtype} {op.name} numel={numel} * {world_size} near {bound} B"
+                    data = random_data(numel * world_size, dtype, op, rank, case)
+                    expected = gloo_reduce(data, op, world_size)
+                    for async_op in (False, True):
+                        tensor = data.clone()
+                        work = ringcomm.all_reduce(tensor, op, group=group, async_op=async_op)
+                        if work is not None:
+                            work.wait()
+                        assert_close(tensor, expected, f"all_reduce async={async_op} " + what)
+                    own = slice(rank * numel, (rank + 1) * numel)
+                    output = torch.empty(numel, dtype=dtype)
+                    ringcomm.reduce_scatter(output, data.clone(), op, group=group)
+                    assert_close(output, expected[own], "reduce_scatter " + what)
+                    gathered = torch.empty(numel * world_size, dtype=dtype)
+                    ringcomm.all_gather(gathered, data[own].clone(), group=group)
+                    reference = torch.empty_like(gathered)
+                    dist.all_gather_into_tensor(reference, data[own].contiguous())
+                    assert torch.equal(gathered, reference), "all_gather " + what
+                    shared = data.clone()
+                    ringcomm.broadcast(shared, src=world_size - 1, group=group)
+                    dist.broadcast(data, src=world_size - 1)
+                    assert torch.equal(shared, data), "broadcast " + what
+        group.close()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_algorithm_thresholds_match_gloo(world_size):
+    run_ranks(check_thresholds, world_size, timeout=240)
 
 
 @pytest.mark.parametrize("transport", ["shm", "torch_dist"])

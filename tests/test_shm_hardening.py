@@ -15,6 +15,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import NamedTuple
 
@@ -60,7 +61,7 @@ def desc(kind: int, numel: int, /, **fields) -> _C._DebugOpDesc:
     """The descriptor an honest rank 1 posts for `kind` on window 0, with `fields` replaced."""
     d = _C._DebugOpDesc()
     d.kind, d.dtype, d.redop, d.numel = kind, FLOAT32, SUM if kind in (ALL_REDUCE, REDUCE_SCATTER) else -1, numel
-    d.zero_copy, d.in_window, d.in_offset, d.out_window, d.out_offset = 1, 0, 0, 0, 0
+    d.access, d.in_window, d.in_offset, d.out_window, d.out_offset = 1, 0, 0, 0, 0
     for key, value in fields.items():
         setattr(d, key, value)
     return d
@@ -93,7 +94,7 @@ FORGED_DESCS = {
     "dtype out of range": (ALL_REDUCE, NUMEL, {"dtype": 99}, "dtype=99"),
     "reduce op out of range": (ALL_REDUCE, NUMEL, {"redop": -7}, "op=-7"),
     "negative numel": (ALL_REDUCE, NUMEL, {"numel": -1}, "numel=-1"),
-    "zero_copy not 0 or 1": (ALL_REDUCE, NUMEL, {"zero_copy": 5}, "=5"),
+    "access not 0, 1 or 2": (ALL_REDUCE, NUMEL, {"access": 5}, "access=5"),
 }
 
 
@@ -148,6 +149,47 @@ def forged_flag(rank, world_size, field):
 @pytest.mark.parametrize("field", ["posted", "consumed"])
 def test_impossible_flag_value_is_a_clear_error(field):
     run_ranks(forged_flag, 1, field, timeout=60)
+
+
+def make_cma_pair() -> tuple[_C.ShmComm, _C.ShmComm]:
+    """Two ranks of one segment with cross-memory attach on for every size."""
+    name = f"/ringcomm-test-{secrets.token_hex(8)}"
+    comm = _C.ShmComm(name, 0, 2, SLOT_NBYTES, NUM_SLOTS, 0, 0, True, cma_min_nbytes=0)
+    try:
+        peer = _C.ShmComm(name, 1, 2, SLOT_NBYTES, NUM_SLOTS, 0, 0, False, cma_min_nbytes=0)
+    finally:
+        _C.ShmComm.unlink(name)
+    reasons = []
+    helper = threading.Thread(target=lambda: reasons.append(peer.setup_cma(TIMEOUT_S)))
+    helper.start()
+    reasons.append(comm.setup_cma(TIMEOUT_S))
+    helper.join()
+    assert reasons == ["", ""] and comm.cma_enabled, reasons
+    return comm, peer
+
+
+def forged_cma_address(rank, world_size, op):
+    """A peer that publishes an address its process does not map: the read fails
+    in the kernel and rank 0 reports it, instead of copying whatever is there."""
+    comm, peer = make_cma_pair()
+    kind, numel = {"all_gather": (ALL_GATHER, NUMEL // 2), "all_reduce": (ALL_REDUCE, NUMEL)}[op]
+    d = desc(kind, numel, access=2, in_addr=64, out_addr=64)
+    peer._debug_post(d)
+    data, out = torch.ones(NUMEL), torch.empty(NUMEL)
+    with pytest.raises(RuntimeError) as info:
+        if kind == ALL_GATHER:
+            comm.all_gather(data.data_ptr(), out.data_ptr(), NUMEL // 2, FLOAT32, TIMEOUT_S)
+        else:
+            comm.all_reduce(data.data_ptr(), out.data_ptr(), NUMEL, FLOAT32, SUM, TIMEOUT_S)
+    message = str(info.value)
+    assert op in message and "rank 1" in message and "process_vm_readv" in message, message
+    with pytest.raises(RuntimeError, match="unusable"):
+        comm.barrier(TIMEOUT_S)
+
+
+@pytest.mark.parametrize("op", ["all_gather", "all_reduce"])
+def test_forged_cma_address_is_a_clear_error(op):
+    run_ranks(forged_cma_address, 1, op, timeout=60)
 
 
 def make_foreign_segment(mode: int, uid: int | None = None) -> str:

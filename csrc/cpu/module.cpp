@@ -1,5 +1,13 @@
 // pybind11 bindings of ringcomm._C. Everything takes raw data_ptr() ints and
 // releases the GIL; no torch headers are involved.
+//
+// [Note: lean calls] The collectives' hot entry points (all_reduce_lean, ...)
+// are METH_FASTCALL functions, not pybind11 ones: pybind11's dispatch and
+// argument casting cost more than a whole 8-byte all-reduce between two cores.
+// They take the comm as a capsule (ShmComm._handle, made once per transport)
+// and plain ints, and map C++ errors as pybind11 does (invalid_argument ->
+// ValueError, others -> RuntimeError).
+#include <Python.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -40,14 +48,85 @@ void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp
                       ringcomm::AdamHyper{lr, beta1, beta2, eps, weight_decay, step, grad_coef, adamw}, num_threads);
 }
 
-ShmConfig make_config(int64_t slot_nbytes, int num_slots, int64_t oneshot_max_nbytes, int64_t spin_ns) {
-  return ShmConfig{slot_nbytes, num_slots, oneshot_max_nbytes, spin_ns};
+ShmConfig make_config(int64_t slot_nbytes, int num_slots, int64_t oneshot_max_nbytes, int64_t spin_ns,
+                      int64_t cma_min_nbytes) {
+  return ShmConfig{slot_nbytes, num_slots, oneshot_max_nbytes, spin_ns, cma_min_nbytes};
 }
+
+constexpr const char* kCommCapsule = "ringcomm.ShmComm";
+
+// Runs `call(comm, ints, timeout_s)` for args (capsule, int x num_ints, float)
+// with the GIL released; see [Note: lean calls].
+template <int num_ints, typename Call>
+PyObject* lean_call(const char* name, PyObject* const* args, Py_ssize_t nargs, Call call) {
+  if (nargs != num_ints + 2) {
+    PyErr_Format(PyExc_TypeError, "%s: expected %d arguments, got %zd", name, num_ints + 2, nargs);
+    return nullptr;
+  }
+  auto* comm = static_cast<ShmComm*>(PyCapsule_GetPointer(args[0], kCommCapsule));
+  if (comm == nullptr) return nullptr;
+  int64_t ints[num_ints];
+  for (int i = 0; i < num_ints; ++i) {
+    ints[i] = PyLong_AsLongLong(args[i + 1]);
+    if (ints[i] == -1 && PyErr_Occurred()) return nullptr;
+  }
+  const double timeout_s = PyFloat_AsDouble(args[num_ints + 1]);
+  if (timeout_s == -1.0 && PyErr_Occurred()) return nullptr;
+  PyObject* error_type = nullptr;
+  std::string message;
+  Py_BEGIN_ALLOW_THREADS
+  try {
+    call(*comm, ints, timeout_s);
+  } catch (const std::invalid_argument& err) {
+    error_type = PyExc_ValueError;
+    message = err.what();
+  } catch (const std::exception& err) {
+    error_type = PyExc_RuntimeError;
+    message = err.what();
+  }
+  Py_END_ALLOW_THREADS
+  if (error_type != nullptr) {
+    PyErr_SetString(error_type, message.c_str());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+// all_reduce_lean(handle, input, output, numel, dtype, op, timeout_s)
+PyObject* all_reduce_lean(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  return lean_call<5>("all_reduce_lean", args, nargs, [](ShmComm& comm, const int64_t* a, double timeout_s) {
+    comm.all_reduce(a[0], a[1], a[2], static_cast<int>(a[3]), static_cast<int>(a[4]), timeout_s);
+  });
+}
+
+// reduce_scatter_lean(handle, input, output, chunk_numel, dtype, op, timeout_s)
+PyObject* reduce_scatter_lean(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  return lean_call<5>("reduce_scatter_lean", args, nargs, [](ShmComm& comm, const int64_t* a, double timeout_s) {
+    comm.reduce_scatter(a[0], a[1], a[2], static_cast<int>(a[3]), static_cast<int>(a[4]), timeout_s);
+  });
+}
+
+// all_gather_lean(handle, input, output, chunk_numel, dtype, timeout_s)
+PyObject* all_gather_lean(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  return lean_call<4>("all_gather_lean", args, nargs, [](ShmComm& comm, const int64_t* a, double timeout_s) {
+    comm.all_gather(a[0], a[1], a[2], static_cast<int>(a[3]), timeout_s);
+  });
+}
+
+PyMethodDef kLeanMethods[] = {
+    {"all_reduce_lean", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(all_reduce_lean)), METH_FASTCALL,
+     "all_reduce_lean(handle, input, output, numel, dtype, op, timeout_s)"},
+    {"reduce_scatter_lean", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(reduce_scatter_lean)),
+     METH_FASTCALL, "reduce_scatter_lean(handle, input, output, chunk_numel, dtype, op, timeout_s)"},
+    {"all_gather_lean", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(all_gather_lean)), METH_FASTCALL,
+     "all_gather_lean(handle, input, output, chunk_numel, dtype, timeout_s)"},
+};
 
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "ringcomm C++ kernels and shared-memory transport";
+  for (PyMethodDef& def : kLeanMethods) m.add_object(def.ml_name, py::reinterpret_steal<py::object>(PyCFunction_New(&def, nullptr)));
   py::call_guard<py::gil_scoped_release> no_gil;
   m.def("reduce_n", &reduce_n, "dst = srcs[0] op srcs[1] op ...", py::arg("dst"), py::arg("srcs"), py::arg("numel"),
         py::arg("dtype"), py::arg("op"), py::arg("divisor") = 1, no_gil);
@@ -60,30 +139,32 @@ PYBIND11_MODULE(_C, m) {
 
   // Test-only: an op descriptor as a peer writes it into its slot.
   py::class_<OpDesc>(m, "_DebugOpDesc")
-      .def(py::init([]() { return OpDesc{0, -1, -1, -1, 0, 0, -1, 0, -1, 0}; }))
+      .def(py::init([]() { return OpDesc{0, -1, -1, -1, 0, 0, -1, 0, -1, 0, 0, 0}; }))
       .def_readwrite("kind", &OpDesc::kind)
       .def_readwrite("dtype", &OpDesc::dtype)
       .def_readwrite("redop", &OpDesc::redop)
       .def_readwrite("root", &OpDesc::root)
       .def_readwrite("numel", &OpDesc::numel)
-      .def_readwrite("zero_copy", &OpDesc::zero_copy)
+      .def_readwrite("access", &OpDesc::access)
       .def_readwrite("in_window", &OpDesc::in_window)
       .def_readwrite("in_offset", &OpDesc::in_offset)
       .def_readwrite("out_window", &OpDesc::out_window)
-      .def_readwrite("out_offset", &OpDesc::out_offset);
+      .def_readwrite("out_offset", &OpDesc::out_offset)
+      .def_readwrite("in_addr", &OpDesc::in_addr)
+      .def_readwrite("out_addr", &OpDesc::out_addr);
 
   py::class_<ShmComm>(m, "ShmComm")
       .def(py::init([](const std::string& name, int rank, int world_size, int64_t slot_nbytes, int num_slots,
-                       int64_t oneshot_max_nbytes, int64_t spin_ns, bool create) {
-             return new ShmComm(name, rank, world_size, make_config(slot_nbytes, num_slots, oneshot_max_nbytes, spin_ns),
-                                create);
+                       int64_t oneshot_max_nbytes, int64_t spin_ns, bool create, int64_t cma_min_nbytes) {
+             return new ShmComm(name, rank, world_size,
+                                make_config(slot_nbytes, num_slots, oneshot_max_nbytes, spin_ns, cma_min_nbytes), create);
            }),
            py::arg("name"), py::arg("rank"), py::arg("world_size"), py::arg("slot_nbytes"), py::arg("num_slots"),
-           py::arg("oneshot_max_nbytes"), py::arg("spin_ns"), py::arg("create"))
+           py::arg("oneshot_max_nbytes"), py::arg("spin_ns"), py::arg("create"), py::arg("cma_min_nbytes") = -1)
       .def_static("unlink", &ShmComm::unlink, py::arg("name"))
       .def_static("segment_nbytes",
                   [](int world_size, int64_t slot_nbytes, int num_slots) {
-                    return ShmComm::segment_nbytes(world_size, make_config(slot_nbytes, num_slots, 0, 0));
+                    return ShmComm::segment_nbytes(world_size, make_config(slot_nbytes, num_slots, 0, 0, -1));
                   },
                   py::arg("world_size"), py::arg("slot_nbytes"), py::arg("num_slots"))
       .def("all_reduce", &ShmComm::all_reduce, py::arg("input"), py::arg("output"), py::arg("numel"), py::arg("dtype"),
@@ -95,6 +176,11 @@ PYBIND11_MODULE(_C, m) {
       .def("broadcast", &ShmComm::broadcast, py::arg("buffer"), py::arg("numel"), py::arg("dtype"), py::arg("root"),
            py::arg("timeout_s"), no_gil)
       .def("barrier", &ShmComm::barrier, py::arg("timeout_s"), no_gil)
+      .def("setup_cma", &ShmComm::setup_cma, "collective: whether every rank can read every other by CMA; '' when "
+           "it can, else why not", py::arg("timeout_s"), no_gil)
+      .def_property_readonly("cma_enabled", &ShmComm::cma_enabled)
+      .def_property_readonly("_handle", [](ShmComm& comm) { return py::capsule(&comm, kCommCapsule); },
+                             "the comm for the *_lean functions (see [Note: lean calls]); valid while it lives")
       .def("register_window", &ShmComm::register_window, py::arg("id"), py::arg("bases"), py::arg("nbytes"))
       .def("unregister_window", &ShmComm::unregister_window, py::arg("id"))
       .def("_debug_post", &ShmComm::debug_post, "test-only: post the next round with an unchecked descriptor",

@@ -8,15 +8,32 @@
 // flag sits on its own cache line; stores release, loads acquire. The first
 // round of an op also carries an OpDesc, so a rank that called a different op
 // or size is reported on every rank, and all ranks stay in step afterwards.
+//
+// [Note: shm waits] A rank waiting for a flag spins for spin_ns (the peer runs
+// on another core and is about to post), then sleeps on the flag with futex
+// (the peer is descheduled: ranks share cores with each other or with other
+// work; sleeping hands this core over instead of burning the peer's chance to
+// run). A waiter counts itself in the peer's `sleepers` before it re-reads the
+// flag and sleeps, and a rank that stores a flag wakes the flag's futex when
+// `sleepers` is non-zero; both sides use sequentially consistent operations,
+// so either the waiter sees the new value or the poster sees the sleeper. The
+// futex word is the low half of the 64-bit flag (x86 and arm64 are little-
+// endian), which changes with every round. Sleeps last at most 10 ms, so a dead
+// peer or the deadline is noticed while asleep.
 
 #include "shm.h"
 
 #include "shm_map.h"
 
 #include <errno.h>
-#include <sched.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
+
+#include <algorithm>
+#include <climits>
+#include <random>
 
 #include <cstdio>
 #include <sstream>
@@ -50,7 +67,25 @@ inline void cpu_relax() {
 #endif
 }
 
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "futex word = low half of a flag: little-endian only");
+
+uint32_t* futex_word(const Flag& flag) {
+  return reinterpret_cast<uint32_t*>(const_cast<std::atomic<uint64_t>*>(&flag.value));
+}
+
+int64_t thread_id() { return static_cast<int64_t>(syscall(SYS_gettid)); }
+
 }  // namespace
+
+OpScope::OpScope(std::atomic<int64_t>& caller, const char* op, int rank) : caller_(caller) {
+  const int64_t me = thread_id();
+  int64_t inside = 0;
+  if (caller.compare_exchange_strong(inside, me, std::memory_order_acq_rel)) return;
+  throw std::runtime_error(std::string(op) + ": rank " + std::to_string(rank) + ": called from thread id " +
+                           std::to_string(me) + " while thread id " + std::to_string(inside) +
+                           " is inside a collective of this group; a group's collectives must come from one "
+                           "thread at a time, in the same order on every rank (use one group per thread)");
+}
 
 int64_t ShmComm::segment_nbytes(int world_size, const ShmConfig& config) {
   return headers_nbytes(world_size) + world_size * config.num_slots * slot_stride(config);
@@ -64,7 +99,8 @@ ShmComm::ShmComm(const std::string& name, int rank, int world_size, ShmConfig co
       slot_stride_(slot_stride(config)),
       descs_(world_size > 0 ? world_size : 0),
       peer_inputs_(world_size > 0 ? world_size : 0),
-      peer_outputs_(world_size > 0 ? world_size : 0) {
+      peer_outputs_(world_size > 0 ? world_size : 0),
+      srcs_(world_size > 0 ? world_size : 0) {
   if (world_size < 1 || rank < 0 || rank >= world_size)
     throw std::invalid_argument("shm: rank " + std::to_string(rank) + " outside world_size " + std::to_string(world_size));
   if (config.num_slots < 2) throw std::invalid_argument("shm: num_slots=" + std::to_string(config.num_slots) + " < 2");
@@ -88,8 +124,12 @@ ShmComm::ShmComm(const std::string& name, int rank, int world_size, ShmConfig co
     throw std::runtime_error("shm: segment '" + name + "' was not made by this group (magic or config differs)");
   }
   pid_ns_ = own_pid_namespace();
-  header(rank_)->pid_ns = pid_ns_;
-  header(rank_)->pid = getpid();
+  cma_token_ = std::random_device{}() | (static_cast<uint64_t>(std::random_device{}()) << 32) | 1u;
+  RankHeader* mine = header(rank_);
+  mine->pid_ns = pid_ns_;
+  mine->pid = getpid();
+  mine->cma_token = cma_token_;
+  mine->cma_token_addr = reinterpret_cast<uintptr_t>(&cma_token_);
 }
 
 ShmComm::~ShmComm() { unmap_segment(base_, mapped_nbytes_); }
@@ -126,7 +166,8 @@ void ShmComm::fail(const std::string& message) {
   throw std::runtime_error(message);
 }
 
-// Waits until `peer`'s flag reaches `target`; see [Note: shm trust] in shm_trust.cpp for `limit`.
+// Waits until `peer`'s flag reaches `target` (see [Note: shm waits]); see
+// [Note: shm trust] in shm_trust.cpp for `limit`.
 void ShmComm::wait_for(int peer, FlagKind kind, uint64_t target, const StepInfo& step, const char* what) {
   const Flag& flag = kind == FlagKind::kPosted ? header(peer)->posted : header(peer)->consumed;
   const uint64_t limit = kind == FlagKind::kPosted ? seq_ + config_.num_slots : seq_;
@@ -139,8 +180,6 @@ void ShmComm::wait_for(int peer, FlagKind kind, uint64_t target, const StepInfo&
   const auto start = Clock::now();
   const auto spin_until = start + std::chrono::nanoseconds(config_.spin_ns);
   auto last_alive_check = start;
-  // Spin (the peer is running on another core), then yield the core (ranks
-  // outnumber cores, or the peer is late), then sleep (the peer is very late).
   for (int64_t spin = 1;; ++spin) {
     value = flag.value.load(std::memory_order_acquire);
     if (value >= target) {
@@ -153,12 +192,7 @@ void ShmComm::wait_for(int peer, FlagKind kind, uint64_t target, const StepInfo&
     }
     const auto now = Clock::now();
     if (now < spin_until) continue;
-    if (now - start < std::chrono::milliseconds(2)) {
-      sched_yield();
-    } else {
-      const timespec pause{0, 20000};
-      nanosleep(&pause, nullptr);
-    }
+    sleep_on(peer, flag, value, step);
     if (now - last_alive_check < std::chrono::milliseconds(20) && now < step.deadline) continue;
     last_alive_check = now;
     std::ostringstream where;
@@ -175,6 +209,26 @@ void ShmComm::wait_for(int peer, FlagKind kind, uint64_t target, const StepInfo&
   }
 }
 
+// Sleeps until `flag` (of `peer`) moves past `seen`, a peer wakes it, or 10 ms pass.
+void ShmComm::sleep_on(int peer, const Flag& flag, uint64_t seen, const StepInfo& step) {
+  std::atomic<uint32_t>& sleepers = header(peer)->sleepers;
+  sleepers.fetch_add(1, std::memory_order_seq_cst);
+  if (flag.value.load(std::memory_order_seq_cst) == seen) {
+    const auto left = step.deadline - std::chrono::steady_clock::now();
+    const int64_t ns = std::max<int64_t>(0, std::min<int64_t>(10'000'000, std::chrono::nanoseconds(left).count()));
+    const timespec timeout{0, static_cast<long>(ns)};
+    syscall(SYS_futex, futex_word(flag), FUTEX_WAIT, static_cast<uint32_t>(seen), &timeout, nullptr, 0);
+  }
+  sleepers.fetch_sub(1, std::memory_order_seq_cst);
+}
+
+// Stores a flag of this rank and wakes the peers asleep on it.
+void ShmComm::publish(Flag& flag, uint64_t value) {
+  flag.value.store(value, std::memory_order_seq_cst);
+  if (header(rank_)->sleepers.load(std::memory_order_seq_cst) != 0)
+    syscall(SYS_futex, futex_word(flag), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
 char* ShmComm::acquire_slot(const StepInfo& step) {
   const uint64_t round = seq_ + 1;
   if (round > static_cast<uint64_t>(config_.num_slots)) {
@@ -189,7 +243,7 @@ void ShmComm::post(const OpDesc* desc) {
   const uint64_t round = seq_ + 1;
   if (desc != nullptr) *slot_desc(rank_, round) = *desc;
   seq_ = round;
-  header(rank_)->posted.value.store(round, std::memory_order_release);
+  publish(header(rank_)->posted, round);
 }
 
 void ShmComm::wait_posted(const StepInfo& step) {
@@ -197,6 +251,6 @@ void ShmComm::wait_posted(const StepInfo& step) {
     if (peer != rank_) wait_for(peer, FlagKind::kPosted, seq_, step, "post its data");
 }
 
-void ShmComm::release() { header(rank_)->consumed.value.store(seq_, std::memory_order_release); }
+void ShmComm::release() { publish(header(rank_)->consumed, seq_); }
 
 }  // namespace ringcomm

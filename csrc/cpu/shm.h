@@ -15,14 +15,20 @@ namespace ringcomm {
 
 enum class OpKind : int32_t { kBarrier = 0, kAllReduce = 1, kReduceScatter = 2, kAllGather = 3, kBroadcast = 4 };
 
+// How peers reach a rank's buffers in one op: through staging slots, in
+// windows they map (ringcomm.empty), or by cross-memory attach (CMA: the kernel
+// copies from the rank's own memory, process_vm_readv, as Open MPI does).
+enum class Access : int32_t { kStaged = 0, kWindows = 1, kCma = 2 };
+
 // What a rank is about to do; written into its slot with the op's first round
 // so that every rank can check that all ranks called the same thing.
 struct alignas(64) OpDesc {
   int32_t kind, dtype, redop, root;
   int64_t numel;
-  int32_t zero_copy;                 // 1: the buffers below are in windows peers can read
-  int64_t in_window, in_offset;      // window id and byte offset of the input
+  int32_t access;                    // Access
+  int64_t in_window, in_offset;      // kWindows: window id and byte offset of the input
   int64_t out_window, out_offset;    // ... and of the output
+  uint64_t in_addr, out_addr;        // kCma: the buffers' addresses in the rank's own process
 };
 
 // Where rank r maps window `id` of every rank (see ShmWindow in shm_map.h).
@@ -37,15 +43,19 @@ struct alignas(64) Flag { std::atomic<uint64_t> value; };
 struct RankHeader {
   Flag posted;    // last round whose data this rank has written into its slot
   Flag consumed;  // last round whose peer slots this rank has finished reading
+  alignas(64) std::atomic<uint32_t> sleepers;  // peers asleep on this rank's flags (futex): wake them
   alignas(64) int64_t pid;
   uint64_t pid_ns;  // inode of the rank's /proc/self/ns/pid (0: unknown); its pid means something only there
+  uint64_t cma_token, cma_token_addr;  // a random value and its address in the rank: peers read it to test CMA
+  int32_t cma_ok;                      // this rank read every peer's token through CMA
 };
 
 struct ShmConfig {
   int64_t slot_nbytes;         // staging bytes per slot (data part)
   int num_slots;               // slots per rank; rounds can run this far ahead
   int64_t oneshot_max_nbytes;  // all-reduce of at most this many bytes: one round
-  int64_t spin_ns;             // busy-wait this long before yielding the core
+  int64_t spin_ns;             // busy-wait this long before sleeping on the flag (futex)
+  int64_t cma_min_nbytes;      // plain buffers of at least this many bytes: single copy by CMA (-1: never)
 };
 
 // Where a wait is, for error messages: op, step within the op, deadline.
@@ -59,6 +69,20 @@ struct StepInfo {
 
 // This process's pid namespace (inode of /proc/self/ns/pid; 0 where unknown).
 uint64_t own_pid_namespace();
+
+// One op in progress on a group, for the length of a public call: a second
+// thread that enters meanwhile gets a RuntimeError naming the thread inside
+// (its kernel thread id), as [Note: one caller thread] in ringcomm/group.py asks.
+class OpScope {
+ public:
+  OpScope(std::atomic<int64_t>& caller, const char* op, int rank);
+  ~OpScope() { caller_.store(0, std::memory_order_release); }
+  OpScope(const OpScope&) = delete;
+  OpScope& operator=(const OpScope&) = delete;
+
+ private:
+  std::atomic<int64_t>& caller_;
+};
 
 class ShmComm {
  public:
@@ -76,6 +100,12 @@ class ShmComm {
   void broadcast(uintptr_t buffer, int64_t numel, int dtype, int root, double timeout_s);
   void barrier(double timeout_s);
 
+  // Collective: tests whether every rank can read every other's memory by CMA
+  // (same user and pid namespace, no seccomp or ptrace rule against it); all
+  // ranks agree on the answer. Returns "" when it is on, else the reason.
+  std::string setup_cma(double timeout_s);
+  bool cma_enabled() const { return cma_enabled_; }
+
   void register_window(int64_t id, const std::vector<uintptr_t>& bases, const std::vector<int64_t>& nbytes);
   void unregister_window(int64_t id);
 
@@ -84,6 +114,7 @@ class ShmComm {
   void debug_post(const OpDesc& desc);
   void debug_store(const std::string& field, int64_t value);
 
+  std::atomic<int64_t>& caller() { return caller_; }
   int rank() const { return rank_; }
   int world_size() const { return world_size_; }
   uint64_t rounds() const { return seq_; }
@@ -106,17 +137,23 @@ class ShmComm {
   [[noreturn]] void fail_flag(int peer, FlagKind kind, uint64_t value, uint64_t limit, const StepInfo& step);
   [[noreturn]] void fail(const std::string& message);
   bool peer_exited(int peer) const;
+  void sleep_on(int peer, const Flag& flag, uint64_t seen, const StepInfo& step);
+  void publish(Flag& flag, uint64_t value);
   void check_usable(const char* op) const;
   StepInfo begin_op(const char* op, int64_t num_steps, double timeout_s) const;
 
   void all_reduce_oneshot(const char* in, char* out, const OpDesc& desc, StepInfo& step);
   void all_reduce_twoshot(const char* in, char* out, const OpDesc& desc, StepInfo& step);
 
-  // Zero-copy: peers read each other's windows directly (shm_window.cpp).
+  // Single copy: peers read each other's buffers directly, in windows or by
+  // CMA (shm_window.cpp, shm_cma.cpp).
   bool locate(const void* ptr, int64_t nbytes, int64_t* window, int64_t* offset) const;
   OpDesc describe(OpKind kind, int dtype, int redop, int root, int64_t numel, const void* in, int64_t in_nbytes,
                   const void* out, int64_t out_nbytes) const;
-  void resolve_windows(const StepInfo& step, const OpDesc& mine);
+  void resolve_peers(const StepInfo& step, const OpDesc& mine);
+  void fetch(const StepInfo& step, int peer, char* dst, const char* src, int64_t nbytes);
+  void reduce_peers(const StepInfo& step, char* dst, const char* const* srcs, int64_t numel, const OpDesc& desc);
+  void cma_read(const StepInfo& step, int peer, char* dst, const char* src, int64_t nbytes);
   const char* window_span(const StepInfo& step, int peer, int64_t id, int64_t offset, int64_t nbytes, const char* what);
   void wait_consumed(const StepInfo& step);
   void all_reduce_windows(const char* in, char* out, const OpDesc& desc, StepInfo& step);
@@ -140,6 +177,13 @@ class ShmComm {
   std::vector<OpDesc> descs_;
   std::vector<const char*> peer_inputs_;
   std::vector<const char*> peer_outputs_;
+  Access access_ = Access::kStaged;  // of the op in progress
+  std::vector<const void*> srcs_;    // scratch: one source per rank
+  std::vector<char> cma_pieces_;     // kCma reductions: (world_size - 1) pieces read from peers
+  std::vector<int64_t> peer_pids_;   // checked by setup_cma (see [Note: CMA trust] in shm_cma.cpp)
+  uint64_t cma_token_ = 0;
+  bool cma_enabled_ = false;
+  std::atomic<int64_t> caller_{0};   // see OpScope
   std::string broken_;
 };
 

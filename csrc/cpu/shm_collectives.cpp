@@ -24,6 +24,7 @@ void check_numel(const char* op, int64_t numel) {
 }  // namespace
 
 void ShmComm::all_reduce(uintptr_t input, uintptr_t output, int64_t numel, int dtype, int redop, double timeout_s) {
+  OpScope scope(caller_, "all_reduce", rank_);
   check_numel("all_reduce", numel);
   const DType dt = to_dtype(dtype);
   to_redop(redop);
@@ -31,7 +32,7 @@ void ShmComm::all_reduce(uintptr_t input, uintptr_t output, int64_t numel, int d
   const auto* in = reinterpret_cast<const char*>(input);
   auto* out = reinterpret_cast<char*>(output);
   const OpDesc desc = describe(OpKind::kAllReduce, dtype, redop, -1, numel, in, nbytes, out, nbytes);
-  if (desc.zero_copy && nbytes > config_.oneshot_max_nbytes) {
+  if (desc.access != static_cast<int32_t>(Access::kStaged) && nbytes > config_.oneshot_max_nbytes) {
     StepInfo step = begin_op("all_reduce", 2, timeout_s);
     all_reduce_windows(in, out, desc, step);
   } else if (nbytes <= config_.oneshot_max_nbytes && nbytes <= config_.slot_nbytes) {
@@ -52,9 +53,8 @@ void ShmComm::all_reduce_oneshot(const char* in, char* out, const OpDesc& desc, 
   post(&desc);
   wait_posted(step);
   check_descs(step, desc);
-  std::vector<const void*> srcs(world_size_);
-  for (int peer = 0; peer < world_size_; ++peer) srcs[peer] = slot_data(peer, seq_);
-  reduce_n(out, srcs.data(), world_size_, desc.numel, dt, static_cast<RedOp>(desc.redop), world_size_);
+  for (int peer = 0; peer < world_size_; ++peer) srcs_[peer] = slot_data(peer, seq_);
+  reduce_n(out, srcs_.data(), world_size_, desc.numel, dt, static_cast<RedOp>(desc.redop), world_size_);
   release();
 }
 
@@ -69,7 +69,7 @@ void ShmComm::all_reduce_twoshot(const char* in, char* out, const OpDesc& desc, 
   const Span mine = balanced_chunk(desc.numel, world_size_, rank_);
   const int64_t segments = num_segments(balanced_chunk(desc.numel, world_size_, 0).numel, segment_numel);
   step.num_steps = 2 * segments;
-  std::vector<const void*> srcs(world_size_);
+  std::vector<const void*>& srcs = srcs_;
   for (int64_t k = 0; k < segments; ++k) {
     step.step = 2 * k;
     char* slot = acquire_slot(step);
@@ -103,6 +103,7 @@ void ShmComm::all_reduce_twoshot(const char* in, char* out, const OpDesc& desc, 
 
 void ShmComm::reduce_scatter(uintptr_t input, uintptr_t output, int64_t chunk_numel, int dtype, int redop,
                              double timeout_s) {
+  OpScope scope(caller_, "reduce_scatter", rank_);
   check_numel("reduce_scatter", chunk_numel);
   const DType dt = to_dtype(dtype);
   to_redop(redop);
@@ -111,7 +112,7 @@ void ShmComm::reduce_scatter(uintptr_t input, uintptr_t output, int64_t chunk_nu
   const int64_t esize = element_nbytes(dt);
   const OpDesc desc = describe(OpKind::kReduceScatter, dtype, redop, -1, chunk_numel, in,
                                world_size_ * chunk_numel * esize, out, chunk_numel * esize);
-  if (desc.zero_copy) {
+  if (desc.access != static_cast<int32_t>(Access::kStaged)) {
     StepInfo step = begin_op("reduce_scatter", 1, timeout_s);
     return reduce_scatter_windows(in, out, desc, step);
   }
@@ -119,7 +120,7 @@ void ShmComm::reduce_scatter(uintptr_t input, uintptr_t output, int64_t chunk_nu
   const int64_t segment_numel = part_nbytes / esize;
   const int64_t segments = num_segments(chunk_numel, segment_numel);
   StepInfo step = begin_op("reduce_scatter", segments, timeout_s);
-  std::vector<const void*> srcs(world_size_);
+  std::vector<const void*>& srcs = srcs_;
   for (int64_t k = 0; k < segments; ++k) {
     step.step = k;
     char* slot = acquire_slot(step);
@@ -139,6 +140,7 @@ void ShmComm::reduce_scatter(uintptr_t input, uintptr_t output, int64_t chunk_nu
 }
 
 void ShmComm::all_gather(uintptr_t input, uintptr_t output, int64_t chunk_numel, int dtype, double timeout_s) {
+  OpScope scope(caller_, "all_gather", rank_);
   check_numel("all_gather", chunk_numel);
   const DType dt = to_dtype(dtype);
   const auto* in = reinterpret_cast<const char*>(input);
@@ -146,7 +148,7 @@ void ShmComm::all_gather(uintptr_t input, uintptr_t output, int64_t chunk_numel,
   const int64_t esize = element_nbytes(dt);
   const OpDesc desc = describe(OpKind::kAllGather, dtype, -1, -1, chunk_numel, in, chunk_numel * esize, out,
                                world_size_ * chunk_numel * esize);
-  if (desc.zero_copy) {
+  if (desc.access != static_cast<int32_t>(Access::kStaged)) {
     StepInfo step = begin_op("all_gather", 1, timeout_s);
     return all_gather_windows(in, out, desc, step);
   }
@@ -172,6 +174,7 @@ void ShmComm::all_gather(uintptr_t input, uintptr_t output, int64_t chunk_numel,
 }
 
 void ShmComm::broadcast(uintptr_t buffer, int64_t numel, int dtype, int root, double timeout_s) {
+  OpScope scope(caller_, "broadcast", rank_);
   check_numel("broadcast", numel);
   const DType dt = to_dtype(dtype);
   if (root < 0 || root >= world_size_)
@@ -179,7 +182,7 @@ void ShmComm::broadcast(uintptr_t buffer, int64_t numel, int dtype, int root, do
   auto* data = reinterpret_cast<char*>(buffer);
   const int64_t esize = element_nbytes(dt);
   const OpDesc desc = describe(OpKind::kBroadcast, dtype, -1, root, numel, data, numel * esize, nullptr, 0);
-  if (desc.zero_copy) {
+  if (desc.access != static_cast<int32_t>(Access::kStaged)) {
     StepInfo step = begin_op("broadcast", 1, timeout_s);
     return broadcast_windows(data, desc, step);
   }
@@ -200,6 +203,7 @@ void ShmComm::broadcast(uintptr_t buffer, int64_t numel, int dtype, int root, do
 }
 
 void ShmComm::barrier(double timeout_s) {
+  OpScope scope(caller_, "barrier", rank_);
   const OpDesc desc = describe(OpKind::kBarrier, -1, -1, -1, 0, nullptr, 0, nullptr, 0);
   StepInfo step = begin_op("barrier", 1, timeout_s);
   acquire_slot(step);

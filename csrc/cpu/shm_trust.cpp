@@ -65,39 +65,55 @@ void ShmComm::check_desc_range(const StepInfo& step, int peer, const OpDesc& the
   if (theirs.kind >= 0 && theirs.kind <= static_cast<int32_t>(OpKind::kBroadcast) && theirs.dtype >= -1 &&
       theirs.dtype <= static_cast<int32_t>(DType::kInt64) && theirs.redop >= -1 &&
       theirs.redop <= static_cast<int32_t>(RedOp::kMax) && theirs.root >= -1 && theirs.root < world_size_ &&
-      theirs.numel >= 0 && (theirs.zero_copy == 0 || theirs.zero_copy == 1))
+      theirs.numel >= 0 && theirs.access >= static_cast<int32_t>(Access::kStaged) &&
+      theirs.access <= static_cast<int32_t>(Access::kCma))
     return;
   std::ostringstream message;
   message << step.op << ": rank " << rank_ << " read an impossible op descriptor from rank " << peer
           << " (kind=" << theirs.kind << ", dtype=" << theirs.dtype << ", op=" << theirs.redop << ", root=" << theirs.root
-          << ", numel=" << theirs.numel << ", shm-allocated=" << theirs.zero_copy << "): the shared segment is corrupt";
+          << ", numel=" << theirs.numel << ", access=" << theirs.access << "): the shared segment is corrupt";
   fail(message.str());
 }
 
+namespace {
+
+bool same_call(const OpDesc& a, const OpDesc& b) {
+  return a.kind == b.kind && a.dtype == b.dtype && a.redop == b.redop && a.root == b.root && a.numel == b.numel &&
+         a.access == b.access;
+}
+
+void describe_call(std::ostream& out, const OpDesc& desc) {
+  static const char* const kAccess[] = {"staged", "ringcomm.empty windows", "single copy (CMA)"};
+  out << "(kind=" << desc.kind << ", dtype=" << desc.dtype << ", op=" << desc.redop << ", root=" << desc.root
+      << ", numel=" << desc.numel << ", buffers=" << kAccess[desc.access] << ")";
+}
+
+}  // namespace
+
 void ShmComm::check_descs(const StepInfo& step, const OpDesc& mine) {
+  bool agree = true;
   for (int peer = 0; peer < world_size_; ++peer) {
     descs_[peer] = *slot_desc(peer, seq_);
     check_desc_range(step, peer, descs_[peer]);
+    agree = agree && same_call(descs_[peer], mine);
   }
-  std::ostringstream mismatch;
-  for (int peer = 0; peer < world_size_; ++peer) {
-    const OpDesc& theirs = descs_[peer];
-    if (theirs.kind == mine.kind && theirs.dtype == mine.dtype && theirs.redop == mine.redop && theirs.root == mine.root &&
-        theirs.numel == mine.numel && theirs.zero_copy == mine.zero_copy)
-      continue;
-    mismatch << " rank " << peer << " called (kind=" << theirs.kind << ", dtype=" << theirs.dtype << ", op=" << theirs.redop
-             << ", root=" << theirs.root << ", numel=" << theirs.numel << ", shm-allocated=" << theirs.zero_copy << ");";
-  }
-  if (mismatch.str().empty()) {
-    if (mine.zero_copy) resolve_windows(step, mine);
+  if (agree) {
+    access_ = static_cast<Access>(mine.access);
+    if (access_ != Access::kStaged) resolve_peers(step, mine);
     return;
   }
   release();  // every rank sees the mismatch in this round, so all stay in step
   std::ostringstream message;
-  message << step.op << ": ranks disagree on the call: rank " << rank_ << " called (kind=" << mine.kind
-          << ", dtype=" << mine.dtype << ", op=" << mine.redop << ", root=" << mine.root << ", numel=" << mine.numel
-          << ", shm-allocated=" << mine.zero_copy << ") but" << mismatch.str()
-          << " every rank must pass the same op, dtype and sizes, and either all or no tensors from ringcomm.empty";
+  message << step.op << ": ranks disagree on the call: rank " << rank_ << " called ";
+  describe_call(message, mine);
+  message << " but";
+  for (int peer = 0; peer < world_size_; ++peer) {
+    if (same_call(descs_[peer], mine)) continue;
+    message << " rank " << peer << " called ";
+    describe_call(message, descs_[peer]);
+    message << ";";
+  }
+  message << " every rank must pass the same op, dtype and sizes, and either all or no tensors from ringcomm.empty";
   throw std::invalid_argument(message.str());
 }
 

@@ -1,6 +1,9 @@
-// Zero-copy collectives of the shared-memory transport: when every rank's
-// buffers live in windows (tensors from ringcomm.empty, mapped by all ranks),
-// ranks read each other's buffers directly instead of staging copies.
+// Single-copy collectives of the shared-memory transport: ranks read each
+// other's buffers directly instead of staging copies, either in windows
+// (tensors from ringcomm.empty, mapped by all ranks: plain loads) or, for any
+// other buffer, by cross-memory attach (shm_cma.cpp: the kernel copies from
+// the peer's memory). The algorithms below are the same for both; fetch() and
+// reduce_peers() are where they differ.
 //
 // [Note: window hazards] A rank's buffer may be read by peers from the round
 // in which it posts until every peer has consumed that round, so: a rank posts
@@ -52,13 +55,17 @@ bool ShmComm::locate(const void* ptr, int64_t nbytes, int64_t* window, int64_t* 
 
 OpDesc ShmComm::describe(OpKind kind, int dtype, int redop, int root, int64_t numel, const void* in, int64_t in_nbytes,
                          const void* out, int64_t out_nbytes) const {
-  OpDesc desc{static_cast<int32_t>(kind), dtype, redop, root, numel, 0, -1, 0, -1, 0};
+  OpDesc desc{static_cast<int32_t>(kind), dtype, redop, root, numel, 0, -1, 0, -1, 0,
+              reinterpret_cast<uintptr_t>(in), reinterpret_cast<uintptr_t>(out)};
+  if (kind == OpKind::kBarrier || (windows_.empty() && !cma_enabled_)) return desc;
   const bool in_window = locate(in, in_nbytes, &desc.in_window, &desc.in_offset);
   const bool out_window = locate(out, out_nbytes, &desc.out_window, &desc.out_offset);
-  switch (kind) {
-    case OpKind::kAllReduce: desc.zero_copy = in_window && (out == in || out_window); break;
-    case OpKind::kReduceScatter: case OpKind::kAllGather: case OpKind::kBroadcast: desc.zero_copy = in_window; break;
-    case OpKind::kBarrier: break;
+  const bool windows = kind == OpKind::kAllReduce ? in_window && (out == in || out_window) : in_window;
+  const int64_t nbytes = in_nbytes > out_nbytes ? in_nbytes : out_nbytes;
+  if (windows) {
+    desc.access = static_cast<int32_t>(Access::kWindows);
+  } else if (cma_enabled_ && config_.cma_min_nbytes >= 0 && nbytes >= config_.cma_min_nbytes) {
+    desc.access = static_cast<int32_t>(Access::kCma);
   }
   return desc;
 }
@@ -82,18 +89,61 @@ const char* ShmComm::window_span(const StepInfo& step, int peer, int64_t id, int
 }
 
 // Fills peer_inputs_ / peer_outputs_ from descs_ for the bytes `mine` makes
-// peers read (all ranks' descs agree with it on kind, dtype and numel by now).
-void ShmComm::resolve_windows(const StepInfo& step, const OpDesc& mine) {
+// peers read (all ranks' descs agree with it on kind, dtype, numel and access
+// by now): pointers into windows mapped here, or addresses in the peers' own
+// processes for CMA (checked by the kernel when read).
+void ShmComm::resolve_peers(const StepInfo& step, const OpDesc& mine) {
   const int64_t nbytes = mine.numel * element_nbytes(static_cast<DType>(mine.dtype));
   const bool is_all_reduce = mine.kind == static_cast<int32_t>(OpKind::kAllReduce);
   const int64_t in_nbytes = mine.kind == static_cast<int32_t>(OpKind::kReduceScatter) ? world_size_ * nbytes : nbytes;
   for (int peer = 0; peer < world_size_; ++peer) {
     if (peer == rank_) continue;
     const OpDesc& theirs = descs_[peer];
+    if (access_ == Access::kCma) {
+      peer_inputs_[peer] = reinterpret_cast<const char*>(theirs.in_addr);
+      peer_outputs_[peer] = reinterpret_cast<const char*>(is_all_reduce ? theirs.out_addr : theirs.in_addr);
+      continue;
+    }
     peer_inputs_[peer] = window_span(step, peer, theirs.in_window, theirs.in_offset, in_nbytes, "input");
     peer_outputs_[peer] = is_all_reduce && theirs.out_window >= 0
                               ? window_span(step, peer, theirs.out_window, theirs.out_offset, nbytes, "output")
                               : peer_inputs_[peer];
+  }
+}
+
+// Copies `nbytes` of `peer`'s buffer at `src` (from resolve_peers) to `dst`.
+void ShmComm::fetch(const StepInfo& step, int peer, char* dst, const char* src, int64_t nbytes) {
+  if (access_ == Access::kCma) return cma_read(step, peer, dst, src, nbytes);
+  copy_bytes(dst, src, nbytes);
+}
+
+// dst = the reduction of srcs (one per rank, in rank order; srcs[rank_] is this
+// rank's own memory, the others are peers' buffers from resolve_peers).
+void ShmComm::reduce_peers(const StepInfo& step, char* dst, const char* const* srcs, int64_t numel,
+                           const OpDesc& desc) {
+  const DType dt = static_cast<DType>(desc.dtype);
+  const RedOp op = static_cast<RedOp>(desc.redop);
+  if (access_ != Access::kCma) {
+    for (int r = 0; r < world_size_; ++r) srcs_[r] = srcs[r];
+    return reduce_n(dst, srcs_.data(), world_size_, numel, dt, op, world_size_);
+  }
+  // CMA: read the peers' parts piece by piece into cache-sized buffers, then reduce.
+  const int64_t esize = element_nbytes(dt);
+  const int64_t piece_nbytes = static_cast<int64_t>(cma_pieces_.size()) / (world_size_ > 1 ? world_size_ - 1 : 1);
+  const int64_t piece_numel = piece_nbytes / esize;
+  for (int64_t begin = 0; begin < numel; begin += piece_numel) {
+    const int64_t len = numel - begin < piece_numel ? numel - begin : piece_numel;
+    char* piece = cma_pieces_.data();
+    for (int r = 0; r < world_size_; ++r) {
+      if (r == rank_) {
+        srcs_[r] = srcs[r] + begin * esize;
+        continue;
+      }
+      cma_read(step, r, piece, srcs[r] + begin * esize, len * esize);
+      srcs_[r] = piece;
+      piece += piece_nbytes;
+    }
+    reduce_n(dst + begin * esize, srcs_.data(), world_size_, len, dt, op, world_size_);
   }
 }
 
@@ -114,15 +164,11 @@ void ShmComm::all_reduce_windows(const char* in, char* out, const OpDesc& desc, 
   post(&desc);
   wait_posted(step);
   check_descs(step, desc);
-  std::vector<const char*> outputs(world_size_);
-  std::vector<const void*> srcs(world_size_);
+  std::vector<const char*> srcs(world_size_);
   const Span mine = balanced_chunk(desc.numel, world_size_, rank_);
-  for (int peer = 0; peer < world_size_; ++peer) {
-    outputs[peer] = peer == rank_ ? out : peer_outputs_[peer];
+  for (int peer = 0; peer < world_size_; ++peer)
     srcs[peer] = (peer == rank_ ? in : peer_inputs_[peer]) + mine.begin * esize;
-  }
-  reduce_n(out + mine.begin * esize, srcs.data(), world_size_, mine.numel, dt, static_cast<RedOp>(desc.redop),
-           world_size_);
+  reduce_peers(step, out + mine.begin * esize, srcs.data(), mine.numel, desc);
   release();
 
   step.step = 1;
@@ -132,7 +178,7 @@ void ShmComm::all_reduce_windows(const char* in, char* out, const OpDesc& desc, 
   for (int peer = 0; peer < world_size_; ++peer) {
     if (peer == rank_) continue;
     const Span chunk = balanced_chunk(desc.numel, world_size_, peer);
-    copy_bytes(out + chunk.begin * esize, outputs[peer] + chunk.begin * esize, chunk.numel * esize);
+    fetch(step, peer, out + chunk.begin * esize, peer_outputs_[peer] + chunk.begin * esize, chunk.numel * esize);
   }
   release();
   wait_consumed(step);
@@ -146,10 +192,10 @@ void ShmComm::reduce_scatter_windows(const char* in, char* out, const OpDesc& de
   post(&desc);
   wait_posted(step);
   check_descs(step, desc);
-  std::vector<const void*> srcs(world_size_);
+  std::vector<const char*> srcs(world_size_);
   for (int peer = 0; peer < world_size_; ++peer)
     srcs[peer] = (peer == rank_ ? in : peer_inputs_[peer]) + rank_ * chunk_nbytes;
-  reduce_n(out, srcs.data(), world_size_, desc.numel, dt, static_cast<RedOp>(desc.redop), world_size_);
+  reduce_peers(step, out, srcs.data(), desc.numel, desc);
   release();
   wait_consumed(step);
 }
@@ -164,7 +210,7 @@ void ShmComm::all_gather_windows(const char* in, char* out, const OpDesc& desc, 
   wait_posted(step);
   check_descs(step, desc);
   for (int peer = 0; peer < world_size_; ++peer)
-    if (peer != rank_) copy_bytes(out + peer * chunk_nbytes, peer_inputs_[peer], chunk_nbytes);
+    if (peer != rank_) fetch(step, peer, out + peer * chunk_nbytes, peer_inputs_[peer], chunk_nbytes);
   release();
   wait_consumed(step);
 }
@@ -176,7 +222,7 @@ void ShmComm::broadcast_windows(char* data, const OpDesc& desc, StepInfo& step) 
   wait_posted(step);
   check_descs(step, desc);
   if (rank_ != desc.root)
-    copy_bytes(data, peer_inputs_[desc.root], desc.numel * element_nbytes(static_cast<DType>(desc.dtype)));
+    fetch(step, desc.root, data, peer_inputs_[desc.root], desc.numel * element_nbytes(static_cast<DType>(desc.dtype)));
   release();
   if (rank_ == desc.root) wait_consumed(step);
 }

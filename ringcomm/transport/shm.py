@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -28,7 +29,13 @@ class ShmOptions:
     slot_nbytes: int = 1 << 20
     num_slots: int = 4
     oneshot_max_nbytes: int = 64 << 10
-    spin_us: float = 50.0  # busy-wait before yielding the core (0 when ranks outnumber cores)
+    spin_us: float = 50.0  # busy-wait before sleeping on a flag (0 when ranks outnumber cores)
+    # Plain (not ringcomm.empty) buffers of at least this many bytes are read
+    # from peers in place by cross-memory attach, where the kernel allows it
+    # (csrc/cpu/shm_cma.cpp); smaller ones, or all with cma=False or
+    # RINGCOMM_CMA=0, are staged through the segment.
+    cma: bool = True
+    cma_min_nbytes: int = 64 << 10
 
 
 class ShmTransport:
@@ -41,6 +48,8 @@ class ShmTransport:
         self.world_size = comm.world_size
         self.timeout_s = timeout_s
         self._next_window = 0
+        self.handle = comm._handle  # for the lean calls: see [Note: lean calls] in csrc/cpu/module.cpp
+        self._single_copy = "staged"
 
     @classmethod
     def create(cls, store: dist.Store, rank: int, world_size: int, timeout_s: float, options: ShmOptions) -> ShmTransport:
@@ -50,10 +59,11 @@ class ShmTransport:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         spin = int(options.spin_us * 1000) if world_size <= cores else 0
         args = (rank, world_size, options.slot_nbytes, options.num_slots, options.oneshot_max_nbytes, spin)
+        kwargs = dict(cma_min_nbytes=options.cma_min_nbytes)
         if rank == 0:
             remove_stale_segments()
             name = new_name(timeout_s)
-            comm = _C.ShmComm(name, *args, create=True)
+            comm = _C.ShmComm(name, *args, create=True, **kwargs)
         else:
             what = f"shm: rank {rank} waiting for rank 0 to create the segment"
             name = rendezvous.get(store, "shm/name", timeout_s, what).decode()
@@ -65,12 +75,18 @@ class ShmTransport:
                                     f"shm: rank {rank} waiting for the ranks to map segment {name}")
                 _C.ShmComm.unlink(name)  # every rank mapped it: the name has done its job
             else:
-                comm = _C.ShmComm(name, *args, create=False)
+                comm = _C.ShmComm(name, *args, create=False, **kwargs)
                 rendezvous.check_in(store, "shm/attached", rank, world_size, timeout_s, "shm", waiting=False)
             _confirm_setup(comm, "new_group", timeout_s)
         finally:
             _C.ShmComm.unlink(name)
-        return cls(comm, store, timeout_s)
+        transport = cls(comm, store, timeout_s)
+        transport._single_copy = _setup_single_copy(comm, options, timeout_s)
+        return transport
+
+    def describe(self) -> str:
+        """How this transport moves plain tensors, for benchmark headers and logs."""
+        return f"shm, {self._single_copy}"
 
     def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Collective: a tensor in a window of shared memory that every rank maps,
@@ -117,16 +133,16 @@ class ShmTransport:
         return tensor.is_cpu
 
     def all_reduce(self, input: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> None:
-        code = DTYPE_CODES[input.dtype]
-        self._comm.all_reduce(input.data_ptr(), output.data_ptr(), input.numel(), code, int(op), self.timeout_s)
+        _C.all_reduce_lean(self.handle, input.data_ptr(), output.data_ptr(), input.numel(), DTYPE_CODES[input.dtype],
+                           op, self.timeout_s)
 
     def reduce_scatter(self, input: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> None:
-        code = DTYPE_CODES[input.dtype]
-        self._comm.reduce_scatter(input.data_ptr(), output.data_ptr(), output.numel(), code, int(op), self.timeout_s)
+        _C.reduce_scatter_lean(self.handle, input.data_ptr(), output.data_ptr(), output.numel(),
+                               DTYPE_CODES[input.dtype], op, self.timeout_s)
 
     def all_gather(self, input: torch.Tensor, output: torch.Tensor) -> None:
-        code = DTYPE_CODES[input.dtype]
-        self._comm.all_gather(input.data_ptr(), output.data_ptr(), input.numel(), code, self.timeout_s)
+        _C.all_gather_lean(self.handle, input.data_ptr(), output.data_ptr(), input.numel(), DTYPE_CODES[input.dtype],
+                           self.timeout_s)
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
         code = DTYPE_CODES[tensor.dtype]
@@ -137,6 +153,7 @@ class ShmTransport:
 
     def close(self) -> None:
         self._comm = None
+        self.handle = None
 
 
 def _publish(store: dist.Store, key: str, name: str) -> None:
@@ -149,6 +166,25 @@ def _check_name(name: str, rank: int, peer: int) -> None:
     unlinks on failure, nothing but ringcomm's own segments."""
     if not name.startswith("/") or expiry_of(name[1:]) is None:
         raise RuntimeError(f"shm: rank {rank}: rank {peer} announced segment name {name!r}, which ringcomm does not make")
+
+
+def _setup_single_copy(comm: _C.ShmComm, options: ShmOptions, timeout_s: float) -> str:
+    """Collective: turns on cross-memory attach when every rank can use it (the
+    ranks agree); says which copy plain tensors get, and why."""
+    if not options.cma or os.environ.get("RINGCOMM_CMA", "1") == "0":
+        return "staged (CMA off: ShmOptions.cma=False or RINGCOMM_CMA=0)"
+    try:
+        reason = comm.setup_cma(timeout_s)
+    except RuntimeError as err:
+        raise RuntimeError(f"new_group: rank {comm.rank}: shared-memory set-up failed: {err}") from err
+    if comm.world_size == 1:
+        return "one rank (nothing to copy)"
+    if reason:
+        if comm.rank == 0:
+            warnings.warn(f"ringcomm: plain tensors are staged through shared memory (two copies): cross-memory "
+                          f"attach is unavailable: {reason}", RuntimeWarning, stacklevel=2)
+        return f"staged (CMA unavailable: {reason})"
+    return f"single copy from {options.cma_min_nbytes} B: CMA (process_vm_readv)"
 
 
 def _left(deadline: float) -> float:
