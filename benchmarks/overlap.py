@@ -35,8 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--mode", default="reduce_scatter", choices=("reduce_scatter", "all_reduce"))
     parser.add_argument("--transport", default="shm,torch_dist",
                         help="comma-separated transports to measure, one run each (auto, shm, torch_dist)")
-    parser.add_argument("--spin-before-yield", type=int, default=None,
-                        help="shm: spins before a waiting rank yields its core (default: the transport's)")
+    parser.add_argument("--spin-us", type=float, default=None,
+                        help="shm: microseconds a waiting rank spins before it sleeps (default: the transport's)")
     parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
                         help="pin rank r (its compute and comm threads) to core r %% cores, so that a comm thread "
                              "waiting for a peer takes time from its own rank only")
@@ -72,7 +72,7 @@ def run_rank(rank: int, args: argparse.Namespace, transport: str, init_file: str
         os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=args.world_size,
                             timeout=timedelta(seconds=120))
-    shm = None if args.spin_before_yield is None else ringcomm.ShmOptions(spin_before_yield=args.spin_before_yield)
+    shm = None if args.spin_us is None else ringcomm.ShmOptions(spin_us=args.spin_us)
     group = ringcomm.new_group(transport=transport, timeout=120, shm=shm)
     steps = {}
     for name, overlap in (("overlap on", True), ("overlap off", False)):
