@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions
 
 from . import backend_ops
-from .backend_work import (BackendWork, accelerated_redop, accelerates, is_async, on_cuda, use_comm_thread,
+from .backend_work import (accelerated_redop, accelerates, backend_work, is_async, on_cuda, takes, use_comm_thread,
                            wait_forwarded)
 from .group import GroupOptions, create_group
 
@@ -61,6 +62,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         self._group = create_group(dist.PrefixStore("group/", store), rank, world_size,
                                    options=GroupOptions(timeout_s=self._timeout_s))
         self._comm_thread = use_comm_thread(self._group.transport.kind, world_size)
+        self._supports = self._group.transport.supports  # the lean path's check (a group keeps its transport)
 
     # ---- names (FSDP2's DeviceMesh resolves groups by name) ----
     def getBackendName(self) -> str:
@@ -80,6 +82,11 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 
     # ---- accelerated collectives ----
     def allreduce(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
+        if isinstance(opts, dist.AllreduceOptions) and len(tensors) == 1 and takes(tensors[0], self._supports):
+            redop = accelerated_redop(opts)
+            if redop is not None:  # the lean path: see [Note: lean calls]
+                fn = partial(self._transport.all_reduce, tensors[0], tensors[0], redop)
+                return backend_work(self._group.run("allreduce", fn, self._comm_thread and opts.asyncOp), tensors)
         opts = opts or dist.AllreduceOptions()
         redop = accelerated_redop(opts)
         if redop is None or not self._accelerates(tensors, strided=True):
@@ -110,6 +117,10 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         return self._run("allgather", fn, opts, output_lists[0])
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> dist.Work:
+        if isinstance(opts, AllgatherOptions) and backend_ops.lean_pair(output, input, self._world_size, self._supports):
+            input = backend_ops.gather_input(output, input, self._rank)
+            fn = partial(self._transport.all_gather, input, output)
+            return backend_work(self._group.run("all_gather_single", fn, self._comm_thread and opts.asyncOp), [output])
         return self.all_gather_single_coalesced([output], [input], opts)
 
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
@@ -133,6 +144,14 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         return self._run("reduce_scatter", fn, opts, outputs)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> dist.Work:
+        if (isinstance(opts, dist.ReduceScatterOptions)
+                and backend_ops.lean_pair(input, output, self._world_size, self._supports)):
+            redop = accelerated_redop(opts)
+            if redop is not None:
+                input = backend_ops.scatter_input(output, input, self._rank)
+                fn = partial(self._transport.reduce_scatter, input, output, redop)
+                return backend_work(self._group.run("reduce_scatter_single", fn, self._comm_thread and opts.asyncOp),
+                                    [output])
         return self.reduce_scatter_single_coalesced([output], [input], opts)
 
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
@@ -213,7 +232,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     def _run(self, op: str, fn: Callable[[], None], opts: object, value: object) -> dist.Work:
         """Runs `fn` inline when the caller waits (or see [Note: async calls]) and
         nothing is queued, else on the group's comm thread, in launch order."""
-        return BackendWork(self._group.run(op, fn, self._comm_thread and is_async(opts)), value)
+        return backend_work(self._group.run(op, fn, self._comm_thread and is_async(opts)), value)
 
     def _forward(self, op: str, tensors: Sequence[torch.Tensor], call: Callable[[dist.ProcessGroup], dist.Work],
                  opts: object, value: object = None) -> dist.Work:
