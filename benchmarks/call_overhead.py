@@ -99,7 +99,16 @@ def floor_backend():
     return dist.new_group(backend="rcfloor")
 
 
-def collective_rows(pg, floor, gloo, rank: int, world_size: int) -> list[tuple[str, int, str, Callable]]:
+def fake_backend():
+    """torch's C++ FakeProcessGroup (no-op collectives): what the dispatch from
+    dist.* to any C++ c10d backend costs, for comparison with the Python floor."""
+    import torch.distributed as dist
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers backend "fake")
+
+    return dist.new_group(backend="fake")
+
+
+def collective_rows(pg, floor, fake, gloo, rank: int, world_size: int) -> list[tuple[str, int, str, Callable]]:
     """(op, nbytes, path, fn) for every timed two-rank row."""
     import torch
     import torch.distributed as dist
@@ -125,8 +134,9 @@ def collective_rows(pg, floor, gloo, rank: int, world_size: int) -> list[tuple[s
                  ("all_reduce", nbytes, "dist ringcomm async .wait()",
                   lambda t=t: dist.all_reduce(t, group=pg, async_op=True).wait()),
                  ("all_reduce", nbytes, "dist floor (no-op Python pg)", lambda t=t: dist.all_reduce(t, group=floor)),
+                 ("all_reduce", nbytes, "dist no-op C++ backend (fake)", lambda t=t: dist.all_reduce(t, group=fake)),
                  ("all_reduce", nbytes, "dist gloo", lambda t=t: dist.all_reduce(t, group=gloo))]
-    for op, call, raw in (("all_gather", gather, transport.all_gather), ("reduce_scatter", scatter, None)):
+    for op, call in (("all_gather", gather), ("reduce_scatter", scatter)):
         for nbytes in SIZES[op]:
             big, small = torch.ones(nbytes // 4), torch.ones(nbytes // 4 // world_size)
             out, inp = (big, small) if op == "all_gather" else (small, big)
@@ -135,6 +145,7 @@ def collective_rows(pg, floor, gloo, rank: int, world_size: int) -> list[tuple[s
             rows += [(op, nbytes, "transport", direct),
                      (op, nbytes, "dist ringcomm", lambda o=out, i=inp, c=call: c(o, i, group=pg)),
                      (op, nbytes, "dist floor (no-op Python pg)", lambda o=out, i=inp, c=call: c(o, i, group=floor)),
+                     (op, nbytes, "dist no-op C++ backend (fake)", lambda o=out, i=inp, c=call: c(o, i, group=fake)),
                      (op, nbytes, "dist gloo", lambda o=out, i=inp, c=call: c(o, i, group=gloo))]
     return rows
 
@@ -196,10 +207,11 @@ def worker(args: argparse.Namespace) -> None:
     pg = dist.new_group(backend="ringcomm")
     gloo = dist.new_group(backend="gloo")
     floor = floor_backend()
+    fake = fake_backend()
     results = []
     if rank == 0:
         print(f"{'op':>14} {'size':>10}  {'path':<42} {'median us':>10} {'min us':>10}")
-    for op, nbytes, path, fn in collective_rows(pg, floor, gloo, rank, world_size) + piece_rows(pg):
+    for op, nbytes, path, fn in collective_rows(pg, floor, fake, gloo, rank, world_size) + piece_rows(pg):
         median, fastest = time_row(fn, args.reps, args.target_ms / 1e3)
         results.append({"op": op, "nbytes": nbytes, "path": path, "us_median": median, "us_min": fastest})
         if rank == 0:

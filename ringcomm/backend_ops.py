@@ -1,6 +1,7 @@
 """The bodies of the collectives the "ringcomm" backend accelerates: each builder
 checks nothing and returns a closure that runs the call on a transport (the
-process group has already checked the tensors)."""
+process group has already checked the tensors); and the lean path's checks of
+one (output, input) pair."""
 from __future__ import annotations
 
 import contextlib
@@ -89,7 +90,8 @@ def reduce_scatter_list(transport: Transport, output: torch.Tensor, inputs: Sequ
 
 
 # ---- the lean path of one (output, input) pair (see [Note: lean calls]) ----
-def lean_pair(big: torch.Tensor, small: torch.Tensor, world_size: int, supports: Callable[[torch.Tensor], bool]) -> bool:
+def lean_pair(big: torch.Tensor, small: torch.Tensor, world_size: int,
+              supports: Callable[[torch.Tensor], bool]) -> bool:
     """all_gather (output, input) or reduce_scatter (input, output): both tensors
     pass `takes`, share a dtype, and `big` holds world_size times `small`."""
     return (big.dtype is small.dtype and takes(big, supports) and takes(small, supports)

@@ -31,9 +31,10 @@ def options(kind, async_op: bool):
 def lean_calls(pg: ProcessGroupRingcomm, async_op: bool) -> dict:
     """op -> (call returning the Work, the output tensor its future must carry)."""
     tensor, gathered, scattered = torch.arange(5.0), torch.full((5,), -1.0), torch.full((5,), -1.0)
-    source = torch.arange(5.0) + 10
+    source, sent = torch.arange(5.0) + 10, torch.arange(5.0)
     return {
         "allreduce": (lambda: pg.allreduce([tensor], options(dist.AllreduceOptions, async_op)), tensor),
+        "broadcast": (lambda: pg.broadcast([sent], options(dist.BroadcastOptions, async_op)), sent),
         "all_gather_single": (lambda: pg.all_gather_single(gathered, source, options(AllgatherOptions, async_op)),
                               gathered),
         "reduce_scatter_single": (
@@ -67,7 +68,8 @@ def test_lean_works_keep_torch_contract(group) -> None:
             assert isinstance(value, list) and len(value) == 1 and value[0] is output, f"{where}: future value {value}"
             assert cpp_work(future).is_success(), f"{where}: C++ readers see a failure"
             assert work.result()[0] is output, where
-            assert torch.equal(output, torch.arange(5.0) + (10 if op != "allreduce" else 0)), f"{where}: {output}"
+            moved = op in ("all_gather_single", "reduce_scatter_single")  # one rank: output = input
+            assert torch.equal(output, torch.arange(5.0) + (10 if moved else 0)), f"{where}: {output}"
 
 
 def fail(*args) -> None:
@@ -79,7 +81,7 @@ def test_lean_call_failures_reach_every_reader(group, monkeypatch) -> None:
     """A transport error fails the call itself (inline, or sync) or its Work:
     wait, is_success, exception, and the future for Python and C++ readers."""
     transport = group._group.transport
-    for name in ("all_reduce", "all_gather", "reduce_scatter"):
+    for name in ("all_reduce", "broadcast", "all_gather", "reduce_scatter"):
         monkeypatch.setattr(transport, name, fail)
     thread = group._comm_thread
     for async_op in (False, True):
