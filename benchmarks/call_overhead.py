@@ -3,7 +3,12 @@ raw C++ call, transport call, dist.* on the "ringcomm" backend, the floor of
 any Python backend (a ProcessGroup subclass returning a finished Work), gloo,
 and the single-process pieces in between (Work, Future, checks, Group.run).
 
-    python benchmarks/call_overhead.py [--reps 7] [--target-ms 40] [--json bench-results/call_overhead.json]
+    python benchmarks/call_overhead.py [--world-size 2] [--reps 7] [--target-ms 40] [--max-nbytes 1048576]
+                                       [--json bench-results/call_overhead.json]
+
+--world-size 1 times the software layers alone (the one-rank transport only
+copies); with 2 ranks on a busy 2-core machine a waiting rank's peer is often
+descheduled and the collective rows measure that, not the call path.
 
 Spawns 2 local ranks (benchmarks/launch.py; default group on gloo). Every row
 is the median (and min) over --reps of the mean us/call of a timed loop whose length all
@@ -29,6 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--reps", type=int, default=7, help="timed loops per row (the median is reported)")
     parser.add_argument("--target-ms", type=float, default=40.0, help="about how long one timed loop runs")
+    parser.add_argument("--max-nbytes", type=int, default=1 << 20, help="skip larger messages (a quicker run)")
     parser.add_argument("--json", default="bench-results/call_overhead.json")
     return parser.parse_args(argv)
 
@@ -211,7 +217,8 @@ def worker(args: argparse.Namespace) -> None:
     results = []
     if rank == 0:
         print(f"{'op':>14} {'size':>10}  {'path':<42} {'median us':>10} {'min us':>10}")
-    for op, nbytes, path, fn in collective_rows(pg, floor, fake, gloo, rank, world_size) + piece_rows(pg):
+    rows = [row for row in collective_rows(pg, floor, fake, gloo, rank, world_size) if row[1] <= args.max_nbytes]
+    for op, nbytes, path, fn in rows + piece_rows(pg):
         median, fastest = time_row(fn, args.reps, args.target_ms / 1e3)
         results.append({"op": op, "nbytes": nbytes, "path": path, "us_median": median, "us_min": fastest})
         if rank == 0:

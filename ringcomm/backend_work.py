@@ -19,10 +19,11 @@ from .work import Work, completed_future
 # the Work; DDP and FSDP call get_future(), which then makes a completed one
 # carrying the output tensors). A FinishedWork is made by finished_work(), which
 # sets its value after construction: a Python __init__ calling dist.Work's
-# pybind one costs ~0.5 us more per call. Measured per piece (2-vCPU machine,
-# benchmarks/call_overhead.py): a dist.Work subclass ~0.4-0.8 us, a torch Future
-# with set_result ~1.5-3 us, reading opts.reduceOp ~0.35 us (a copy of the C++
-# ReduceOp; compare it, never hash it: hashing its RedOpType costs ~1.5 us).
+# pybind one costs ~0.5 us more per call. Measured per piece (one rank, 2-vCPU
+# machine under load, best of runs; benchmarks/call_overhead.py --world-size 1):
+# a finished Work 0.7 us (2.9 with its Future made at once), accelerated_redop
+# 0.8 us (reading opts.reduceOp copies the C++ ReduceOp; compare it, never hash
+# it: hashing its RedOpType costs ~1.5 us), takes() 0.6 us, Group.run 0.9 us.
 
 
 class FinishedWork(dist.Work):
