@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions
 
 from . import backend_ops
-from .backend_work import (BackendWork, accelerated_redop, accelerates, is_async, on_cuda, use_comm_thread,
+from .backend_work import (accelerated_redop, accelerates, backend_work, is_async, on_cuda, takes, use_comm_thread,
                            wait_forwarded)
 from .group import GroupOptions, create_group
 
@@ -22,6 +23,10 @@ STORE_PREFIX = "ringcomm-backend/"
 # Accelerated (CPU tensors of a ringcomm dtype, contiguous, a ringcomm op):
 #   allreduce(+_coalesced), broadcast, allgather, all_gather_single(+_coalesced),
 #   reduce_scatter, reduce_scatter_single(+_coalesced), barrier -> ringcomm transport.
+#   One dense contiguous tensor (allreduce, broadcast) or pair (all_gather_single,
+#   reduce_scatter_single) with torch's options takes the lean path: a few
+#   attribute tests, then straight to the transport through Group.run (see
+#   [Note: lean calls] in backend_work.py); anything else the general path checks.
 # Forwarded collectives (gather, scatter, reduce, all_to_all, allgather_coalesced,
 # and accelerated ones whose tensors ringcomm does not take) -> internal gloo, but
 # run through the ringcomm group like its own calls (Group.run), so that every
@@ -61,6 +66,8 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         self._group = create_group(dist.PrefixStore("group/", store), rank, world_size,
                                    options=GroupOptions(timeout_s=self._timeout_s))
         self._comm_thread = use_comm_thread(self._group.transport.kind, world_size)
+        self._transport = self._group.transport  # a group keeps its transport
+        self._supports = self._transport.supports  # the lean path's check
 
     # ---- names (FSDP2's DeviceMesh resolves groups by name) ----
     def getBackendName(self) -> str:
@@ -80,6 +87,11 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 
     # ---- accelerated collectives ----
     def allreduce(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
+        if isinstance(opts, dist.AllreduceOptions) and len(tensors) == 1 and takes(tensors[0], self._supports):
+            redop = accelerated_redop(opts)
+            if redop is not None:  # the lean path: see [Note: lean calls]
+                fn = partial(self._transport.all_reduce, tensors[0], tensors[0], redop)
+                return self._run("allreduce", fn, opts, tensors)
         opts = opts or dist.AllreduceOptions()
         redop = accelerated_redop(opts)
         if redop is None or not self._accelerates(tensors, strided=True):
@@ -94,6 +106,10 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         return self._run("allreduce_coalesced", backend_ops.all_reduce(self._transport, tensors, redop), opts, tensors)
 
     def broadcast(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
+        if (isinstance(opts, dist.BroadcastOptions) and len(tensors) == 1 and takes(tensors[0], self._supports)
+                and 0 <= opts.rootRank < self._world_size):
+            fn = partial(self._transport.broadcast, tensors[0], opts.rootRank)
+            return self._run("broadcast", fn, opts, tensors)
         opts = opts or dist.BroadcastOptions()
         if not self._accelerates(tensors, strided=True):
             return self._forward("broadcast", tensors, lambda b: b.broadcast(tensors, opts), opts)
@@ -110,6 +126,11 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         return self._run("allgather", fn, opts, output_lists[0])
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> dist.Work:
+        if (isinstance(opts, AllgatherOptions)
+                and backend_ops.lean_pair(output, input, self._world_size, self._supports)):
+            input = backend_ops.gather_input(output, input, self._rank)
+            fn = partial(self._transport.all_gather, input, output)
+            return self._run("all_gather_single", fn, opts, [output])
         return self.all_gather_single_coalesced([output], [input], opts)
 
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
@@ -133,6 +154,13 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         return self._run("reduce_scatter", fn, opts, outputs)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> dist.Work:
+        if (isinstance(opts, dist.ReduceScatterOptions)
+                and backend_ops.lean_pair(input, output, self._world_size, self._supports)):
+            redop = accelerated_redop(opts)
+            if redop is not None:
+                input = backend_ops.scatter_input(output, input, self._rank)
+                fn = partial(self._transport.reduce_scatter, input, output, redop)
+                return self._run("reduce_scatter_single", fn, opts, [output])
         return self.reduce_scatter_single_coalesced([output], [input], opts)
 
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
@@ -197,10 +225,6 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         return f"ProcessGroupRingcomm(rank={self._rank}, world_size={self._world_size}, {self._group!r})"
 
     # ---- helpers ----
-    @property
-    def _transport(self):
-        return self._group.transport
-
     def _accelerates(self, tensors: Sequence[torch.Tensor], *, strided: bool = False) -> bool:
         """Dense tensors only: sparse ones go to gloo, which reduces them as sparse."""
         return (all(t.layout == torch.strided for t in tensors)
@@ -212,8 +236,9 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 
     def _run(self, op: str, fn: Callable[[], None], opts: object, value: object) -> dist.Work:
         """Runs `fn` inline when the caller waits (or see [Note: async calls]) and
-        nothing is queued, else on the group's comm thread, in launch order."""
-        return BackendWork(self._group.run(op, fn, self._comm_thread and is_async(opts)), value)
+        nothing is queued, else on the group's comm thread, in launch order.
+        Inline, the Work is a FinishedWork (see [Note: lean calls])."""
+        return backend_work(self._group.run(op, fn, self._comm_thread and is_async(opts)), value)
 
     def _forward(self, op: str, tensors: Sequence[torch.Tensor], call: Callable[[dist.ProcessGroup], dist.Work],
                  opts: object, value: object = None) -> dist.Work:

@@ -1,0 +1,154 @@
+"""The backend's lean call path (see [Note: lean calls]): one dense contiguous
+CPU tensor (pair) per call goes straight to the transport. Its Works keep
+torch's contract (the future carries the output tensors, made on demand), a
+failing transport fails the caller on every path, inline and on the comm
+thread, and the calls it refuses still take the general path. Results against
+gloo on many ranks: test_backend.py and test_aliasing.py, which run through it."""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions
+
+import ringcomm  # noqa: F401  (registers the backend)
+from ringcomm import backend_ops
+from ringcomm.backend_work import BackendWork, FinishedWork, accelerated_redop, takes
+from ringcomm.ops import ReduceOp
+from ringcomm.process_group import ProcessGroupRingcomm
+
+cpp_work = torch._C._distributed_c10d._create_work_from_future  # a C++ reader of a torch future
+
+
+def options(kind, async_op: bool):
+    opts = kind()
+    opts.asyncOp = async_op
+    return opts
+
+
+def lean_calls(pg: ProcessGroupRingcomm, async_op: bool) -> dict:
+    """op -> (call returning the Work, the output tensor its future must carry)."""
+    tensor, gathered, scattered = torch.arange(5.0), torch.full((5,), -1.0), torch.full((5,), -1.0)
+    source, sent = torch.arange(5.0) + 10, torch.arange(5.0)
+    return {
+        "allreduce": (lambda: pg.allreduce([tensor], options(dist.AllreduceOptions, async_op)), tensor),
+        "broadcast": (lambda: pg.broadcast([sent], options(dist.BroadcastOptions, async_op)), sent),
+        "all_gather_single": (lambda: pg.all_gather_single(gathered, source, options(AllgatherOptions, async_op)),
+                              gathered),
+        "reduce_scatter_single": (
+            lambda: pg.reduce_scatter_single(scattered, source, options(dist.ReduceScatterOptions, async_op)),
+            scattered),
+    }
+
+
+@pytest.fixture(params=["inline", "thread"])
+def group(request, monkeypatch):
+    """A one-rank backend group whose async calls run inline or on the comm thread."""
+    monkeypatch.setenv("RINGCOMM_ASYNC", request.param)
+    pg = ProcessGroupRingcomm(dist.HashStore(), 0, 1, timedelta(seconds=10))
+    yield pg
+    pg.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_lean_works_keep_torch_contract(group) -> None:
+    thread = group._comm_thread
+    for async_op in (False, True):
+        for op, (call, output) in lean_calls(group, async_op).items():
+            where = f"{op} asyncOp={async_op} comm_thread={thread}"
+            work = call()
+            expected = BackendWork if (thread and async_op) else FinishedWork
+            assert type(work) is expected, f"{where}: {type(work).__name__}"
+            assert work.wait() and work.is_completed() and work.is_success() and work.exception() is None, where
+            future = work.get_future()
+            assert future is work.get_future(), f"{where}: a second get_future() made another future"
+            value = future.wait()
+            assert isinstance(value, list) and len(value) == 1 and value[0] is output, f"{where}: future value {value}"
+            assert cpp_work(future).is_success(), f"{where}: C++ readers see a failure"
+            assert work.result()[0] is output, where
+            moved = op in ("all_gather_single", "reduce_scatter_single")  # one rank: output = input
+            assert torch.equal(output, torch.arange(5.0) + (10 if moved else 0)), f"{where}: {output}"
+
+
+def fail(*args) -> None:
+    raise RuntimeError("injected: rank 0 lost its peer")
+
+
+@pytest.mark.timeout(60)
+def test_lean_call_failures_reach_every_reader(group, monkeypatch) -> None:
+    """A transport error fails the call itself (inline, or sync) or its Work:
+    wait, is_success, exception, and the future for Python and C++ readers."""
+    transport = group._group.transport
+    for name in ("all_reduce", "broadcast", "all_gather", "reduce_scatter"):
+        monkeypatch.setattr(transport, name, fail)
+    thread = group._comm_thread
+    for async_op in (False, True):
+        for op, (call, _) in lean_calls(group, async_op).items():
+            where = f"{op} asyncOp={async_op} comm_thread={thread}"
+            if not (thread and async_op):
+                with pytest.raises(RuntimeError, match="injected"):
+                    call()
+                continue
+            work = call()
+            with pytest.raises(RuntimeError, match="injected"):
+                work.wait()
+            assert work.is_completed() and not work.is_success(), f"{where}: a failed Work reports success"
+            assert "injected" in str(work.exception()), f"{where}: exception() {work.exception()!r}"
+            with pytest.raises(RuntimeError, match="injected"):
+                work.get_future().wait()
+            assert not cpp_work(work.get_future()).is_success(), f"{where}: C++ readers see success"
+    monkeypatch.undo()
+    tensor = torch.ones(3)
+    group.allreduce([tensor], options(dist.AllreduceOptions, False)).wait()  # the group still works
+    assert torch.equal(tensor, torch.ones(3))
+
+
+def test_lean_check_refuses_what_the_general_path_must_do() -> None:
+    def cpu(t):
+        return t.is_cpu
+
+    dense = torch.ones(6)
+    assert takes(dense, cpu) and takes(torch.ones(2, 3, dtype=torch.bfloat16), cpu)
+    refused = {
+        "strided view": torch.ones(6, 2)[:, 0],
+        "int8": torch.ones(6, dtype=torch.int8),
+        "sparse COO": torch.ones(6).to_sparse(),
+        "sparse CSR": torch.ones(2, 3).to_sparse_csr(),
+        "meta": torch.ones(6, device="meta"),
+    }
+    for what, tensor in refused.items():
+        assert not takes(tensor, cpu), f"takes() accepted a {what} tensor"
+    assert not takes(dense, lambda t: False), "takes() ignored the transport's supports()"
+    assert not backend_ops.lean_pair(torch.ones(6), torch.ones(2), 2, cpu), "numel 6 != 2 * 2"
+    assert not backend_ops.lean_pair(torch.ones(4), torch.ones(2, dtype=torch.float64), 2, cpu), "dtypes differ"
+    assert backend_ops.lean_pair(torch.ones(4), torch.ones(2), 2, cpu)
+
+
+def test_lean_reduce_ops() -> None:
+    for name in ("SUM", "AVG", "MAX", "MIN", "PRODUCT"):
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = getattr(dist.ReduceOp, name)
+        assert accelerated_redop(opts) is ReduceOp[name], name
+    for unsupported in (dist.ReduceOp.BAND, dist._make_nccl_premul_sum(2.0)):
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = unsupported
+        assert accelerated_redop(opts) is None, f"{unsupported} must be forwarded"
+    assert accelerated_redop(dist.AllreduceOptions()) is ReduceOp.SUM
+    assert accelerated_redop(object()) is ReduceOp.SUM  # options without reduceOp: torch's default
+
+
+def test_lean_inputs_are_copied_exactly_when_they_overlap() -> None:
+    buffer = torch.arange(40.0)
+    output = buffer[0:40]
+    own, straddling, outside = buffer[20:30], buffer[15:25], torch.zeros(10)
+    assert backend_ops.gather_input(output, own, rank=2) is own  # in place: chunk `rank` of the output
+    assert backend_ops.gather_input(output, outside, rank=1) is outside
+    copied = backend_ops.gather_input(output, straddling, rank=1)
+    assert copied.data_ptr() != straddling.data_ptr() and torch.equal(copied, straddling)
+    assert backend_ops.scatter_input(own, output, rank=2) is output  # in place: the output is chunk `rank`
+    assert backend_ops.scatter_input(own, output, rank=1).data_ptr() != output.data_ptr()
+    assert backend_ops.scatter_input(torch.zeros(10), output, rank=1) is output
+    assert not backend_ops._overlap(buffer[0:10], buffer[10:20]) and backend_ops._overlap(buffer[0:11], buffer[10:20])
+    assert not backend_ops._overlap(buffer[0:0], buffer[0:10])  # an empty tensor overlaps nothing
