@@ -89,7 +89,7 @@ def reduce_scatter_list(transport: Transport, output: torch.Tensor, inputs: Sequ
     return body
 
 
-# ---- the lean path of one (output, input) pair (see [Note: lean calls]) ----
+# ---- the lean path of one (output, input) pair (see [Note: finished works]) ----
 def lean_pair(big: torch.Tensor, small: torch.Tensor, world_size: int,
               supports: Callable[[torch.Tensor], bool]) -> bool:
     """all_gather (output, input) or reduce_scatter (input, output): both tensors

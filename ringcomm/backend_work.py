@@ -12,7 +12,7 @@ import torch.distributed as dist
 from .ops import DTYPE_CODES, ReduceOp
 from .work import Work, completed_future
 
-# [Note: lean calls]
+# [Note: finished works]
 # A call that finished inline (every sync call, and async ones where
 # [Note: async calls] says inline) returns a FinishedWork: no torch Future is
 # made unless someone asks for one (dist.* with async_op=False waits and drops
@@ -58,7 +58,7 @@ class FinishedWork(dist.Work):
 
 
 def finished_work(value: object) -> FinishedWork:
-    """A FinishedWork whose future carries `value` (see [Note: lean calls])."""
+    """A FinishedWork whose future carries `value` (see [Note: finished works])."""
     work = FinishedWork()
     work._value = value
     return work
@@ -166,7 +166,7 @@ _REDUCE_OPS = ((dist.ReduceOp.SUM, ReduceOp.SUM), (dist.ReduceOp.AVG, ReduceOp.A
 def accelerated_redop(opts: object) -> ReduceOp | None:
     """ringcomm's op for `opts.reduceOp`, or None when ringcomm does not do it
     (PREMUL_SUM, BAND, ...): such calls are forwarded. Compares, as hashing
-    torch's op is slow (see [Note: lean calls])."""
+    torch's op is slow (see [Note: finished works])."""
     torch_op = getattr(opts, "reduceOp", dist.ReduceOp.SUM)
     for torch_type, ours in _REDUCE_OPS:
         if torch_op == torch_type:

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions
 
 from . import backend_ops
-from .backend_work import (accelerated_redop, accelerates, backend_work, is_async, on_cuda, takes, use_comm_thread,
-                           wait_forwarded)
+from .backend_work import (accelerated_redop, accelerates, backend_work, finished_work, is_async, on_cuda, takes,
+                           use_comm_thread, wait_forwarded)
 from .group import GroupOptions, create_group
 
 BACKEND_NAME = "ringcomm"
@@ -25,8 +25,10 @@ STORE_PREFIX = "ringcomm-backend/"
 #   reduce_scatter, reduce_scatter_single(+_coalesced), barrier -> ringcomm transport.
 #   One dense contiguous tensor (allreduce, broadcast) or pair (all_gather_single,
 #   reduce_scatter_single) with torch's options takes the lean path: a few
-#   attribute tests, then straight to the transport through Group.run (see
-#   [Note: lean calls] in backend_work.py); anything else the general path checks.
+#   attribute tests, then straight to the transport: inline without Group.run
+#   when the group takes lean calls (nothing queued; the transport checks that
+#   one thread at a time calls it), else through Group.run (see [Note: finished
+#   works] in backend_work.py); anything else the general path checks.
 # Forwarded collectives (gather, scatter, reduce, all_to_all, allgather_coalesced,
 # and accelerated ones whose tensors ringcomm does not take) -> internal gloo, but
 # run through the ringcomm group like its own calls (Group.run), so that every
@@ -89,9 +91,9 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         if isinstance(opts, dist.AllreduceOptions) and len(tensors) == 1 and takes(tensors[0], self._supports):
             redop = accelerated_redop(opts)
-            if redop is not None:  # the lean path: see [Note: lean calls]
+            if redop is not None:  # the lean path: see [Note: finished works]
                 fn = partial(self._transport.all_reduce, tensors[0], tensors[0], redop)
-                return self._run("allreduce", fn, opts, tensors)
+                return self._run_lean("allreduce", fn, opts, tensors)
         opts = opts or dist.AllreduceOptions()
         redop = accelerated_redop(opts)
         if redop is None or not self._accelerates(tensors, strided=True):
@@ -109,7 +111,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         if (isinstance(opts, dist.BroadcastOptions) and len(tensors) == 1 and takes(tensors[0], self._supports)
                 and 0 <= opts.rootRank < self._world_size):
             fn = partial(self._transport.broadcast, tensors[0], opts.rootRank)
-            return self._run("broadcast", fn, opts, tensors)
+            return self._run_lean("broadcast", fn, opts, tensors)
         opts = opts or dist.BroadcastOptions()
         if not self._accelerates(tensors, strided=True):
             return self._forward("broadcast", tensors, lambda b: b.broadcast(tensors, opts), opts)
@@ -130,7 +132,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                 and backend_ops.lean_pair(output, input, self._world_size, self._supports)):
             input = backend_ops.gather_input(output, input, self._rank)
             fn = partial(self._transport.all_gather, input, output)
-            return self._run("all_gather_single", fn, opts, [output])
+            return self._run_lean("all_gather_single", fn, opts, [output])
         return self.all_gather_single_coalesced([output], [input], opts)
 
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
@@ -160,7 +162,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
             if redop is not None:
                 input = backend_ops.scatter_input(output, input, self._rank)
                 fn = partial(self._transport.reduce_scatter, input, output, redop)
-                return self._run("reduce_scatter_single", fn, opts, [output])
+                return self._run_lean("reduce_scatter_single", fn, opts, [output])
         return self.reduce_scatter_single_coalesced([output], [input], opts)
 
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
@@ -237,8 +239,20 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     def _run(self, op: str, fn: Callable[[], None], opts: object, value: object) -> dist.Work:
         """Runs `fn` inline when the caller waits (or see [Note: async calls]) and
         nothing is queued, else on the group's comm thread, in launch order.
-        Inline, the Work is a FinishedWork (see [Note: lean calls])."""
+        Inline, the Work is a FinishedWork (see [Note: finished works])."""
         return backend_work(self._group.run(op, fn, self._comm_thread and is_async(opts)), value)
+
+    def _run_lean(self, op: str, fn: Callable[[], None], opts: object, value: object) -> dist.Work:
+        """_run for a transport call of the lean path: when it would run inline
+        and the group takes lean calls, it runs here without Group.run's lock."""
+        group = self._group
+        if group.lean_handle is None or (self._comm_thread and is_async(opts)):
+            return self._run(op, fn, opts, value)
+        try:
+            fn()
+        except RuntimeError as err:
+            raise group.explain(err) from None
+        return finished_work(value)
 
     def _forward(self, op: str, tensors: Sequence[torch.Tensor], call: Callable[[dist.ProcessGroup], dist.Work],
                  opts: object, value: object = None) -> dist.Work:

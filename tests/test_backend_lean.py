@@ -1,4 +1,4 @@
-"""The backend's lean call path (see [Note: lean calls]): one dense contiguous
+"""The backend's lean call path (see [Note: finished works]): one dense contiguous
 CPU tensor (pair) per call goes straight to the transport. Its Works keep
 torch's contract (the future carries the output tensors, made on demand), a
 failing transport fails the caller on every path, inline and on the comm
