@@ -4,6 +4,7 @@ the bytes that cross hosts shrink by the number of ranks per host."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import socket
 from collections.abc import Iterator, Sequence
@@ -165,6 +166,7 @@ class HierarchicalTransport:
                torch_dist: TorchDistOptions) -> HierarchicalTransport:
         """Collective over the group: an shm transport per host, a gloo ring per local rank."""
         host, local_rank = placement.host_of(rank), placement.local_rank_of(rank)
+        shm = _shm_options_for_machine(store, rank, len(placement.hosts), timeout_s, shm)
         local = ShmTransport.create(dist.PrefixStore(f"hier/host{host}/", store), local_rank,
                                     placement.local_world_size, timeout_s, shm)
         try:
@@ -322,6 +324,20 @@ class HierarchicalTransport:
             reduce_into(reduced, [reduced], ReduceOp.AVG, self.world_size)
         if reduced.data_ptr() != output.data_ptr() or reduced.dtype != output.dtype:
             output.copy_(reduced)
+
+
+def _shm_options_for_machine(store: dist.Store, rank: int, world_size: int, timeout_s: float,
+                             options: ShmOptions) -> ShmOptions:
+    """No spinning when the ranks on this machine outnumber its cores: with
+    simulated hosts (RINGCOMM_HOST) several shm groups share one machine, and
+    spinning ranks of one group starve the ranks of another."""
+    store.set(f"machine/{rank}", socket.gethostname())
+    rendezvous.wait_for(store, [f"machine/{r}" for r in range(world_size)], timeout_s,
+                        f"{SETUP}: rank {rank} waiting for every rank's machine name")
+    here = socket.gethostname()
+    on_machine = sum(store.get(f"machine/{r}").decode() == here for r in range(world_size))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return dataclasses.replace(options, spin_us=0.0) if on_machine > cores else options
 
 
 def _level_op(op: ReduceOp) -> ReduceOp:
