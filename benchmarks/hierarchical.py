@@ -42,6 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64M"))
     p.add_argument("-f", "--stepfactor", type=int, default=4)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--alloc", default="shm", choices=("shm", "torch"),
+                   help="the hierarchical transport's buffers: ringcomm.empty (shared memory on each host, "
+                        "no staging copies in the local steps) or torch.empty; the others always use torch.empty")
     p.add_argument("--ops", default=",".join(OPS))
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--json", default=None)
@@ -78,6 +81,7 @@ class Bench:
         self.groups = {kind: ringcomm.new_group(transport=kind, timeout=args.timeout)
                        for kind in ("hierarchical", "torch_dist")}
         self.describe = self.groups["hierarchical"].transport.describe()
+        self.alloc = args.alloc
 
     def call(self, backend: str, op: str, full, chunk):
         """The collective as a no-argument callable (float32, sum)."""
@@ -125,13 +129,22 @@ class Bench:
         dist.all_reduce(elapsed, dist.ReduceOp.MAX)
         return float(elapsed)
 
+    def buffer(self, backend: str, numel: int):
+        import torch
+
+        import ringcomm
+
+        if backend == "hierarchical" and self.alloc == "shm":
+            return ringcomm.empty(numel, group=self.groups[backend])
+        return torch.empty(numel)
+
     def measure(self, op: str, nbytes: int, rounds: int) -> list[dict]:
         import torch
 
         numel = max(self.world_size, nbytes // 4 // self.world_size * self.world_size)
-        full, chunk = torch.zeros(numel), torch.zeros(numel // self.world_size)
         calls = {}
         for backend in BACKENDS:
+            full, chunk = self.buffer(backend, numel), self.buffer(backend, numel // self.world_size)
             self.check(backend, op, full, chunk)
             full.zero_(), chunk.zero_()  # zeros stay zeros: no overflow however often it runs
             calls[backend] = self.call(backend, op, full, chunk)
@@ -169,7 +182,7 @@ def worker(args: argparse.Namespace) -> None:
 
     bench = Bench(args)
     if bench.rank == 0:
-        print(f"# {bench.world_size} ranks, {args.hosts} simulated hosts; {bench.describe}; float32 sum; "
+        print(f"# {bench.world_size} ranks, {args.hosts} simulated hosts; {bench.describe}; buffers {args.alloc}; float32 sum; "
               f"{args.rounds} rounds; loadavg {open('/proc/loadavg').read().split()[:3]}")
         print(f"# {'op':>12} {'size (B)':>10} {'backend':>13} {'median (us)':>11} {'busbw GB/s (range)':>20} "
               f"{'vs flat':>8} {'vs gloo':>8}", flush=True)
