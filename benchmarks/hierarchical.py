@@ -182,8 +182,8 @@ def worker(args: argparse.Namespace) -> None:
 
     bench = Bench(args)
     if bench.rank == 0:
-        print(f"# {bench.world_size} ranks, {args.hosts} simulated hosts; {bench.describe}; buffers {args.alloc}; float32 sum; "
-              f"{args.rounds} rounds; loadavg {open('/proc/loadavg').read().split()[:3]}")
+        print(f"# {bench.world_size} ranks, {args.hosts} simulated hosts; {bench.describe}; buffers {args.alloc}; "
+              f"float32 sum; {args.rounds} rounds; loadavg {open('/proc/loadavg').read().split()[:3]}")
         print(f"# {'op':>12} {'size (B)':>10} {'backend':>13} {'median (us)':>11} {'busbw GB/s (range)':>20} "
               f"{'vs flat':>8} {'vs gloo':>8}", flush=True)
     rows = []

@@ -163,3 +163,16 @@ def test_dead_peer_fails_every_rank():
     messages = run_ranks(die_during_all_reduce, 4, INTERLEAVED, may_die=frozenset({1}), timeout=60)
     assert messages[1] is None
     assert all(messages[r] for r in (0, 2, 3)), messages
+
+
+def test_placement_and_auto_choice_are_pure():
+    from ringcomm.transport.hierarchical import auto_transport, plan_placement
+
+    interleaved = plan_placement(INTERLEAVED)
+    assert interleaved.ranks_on == ((0, 2), (1, 3)) and not interleaved.is_host_major()
+    assert (interleaved.host_of(3), interleaved.local_rank_of(3)) == (1, 1)
+    assert plan_placement(HOST_MAJOR).is_host_major() and not plan_placement(HOST_MAJOR).unsupported()
+    assert "unequal" in plan_placement(UNEVEN).unsupported()
+    assert "own host" in plan_placement(("a", "b")).unsupported()
+    assert [auto_transport(h) for h in (("a",) * 3, ("a", "b", "c"), HOST_MAJOR, UNEVEN)] == \
+        ["shm", "torch_dist", "hierarchical", "hierarchical"]
