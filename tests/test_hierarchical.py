@@ -86,13 +86,30 @@ def check_against_gloo(rank, world_size, hosts, kind, description, dtypes):
             case = check_reductions(group, rank, world_size, dtype, op, case)
         case = check_moves(group, rank, world_size, dtype, case)
     ringcomm.barrier(group=group)
-    # Windows from the group's allocator (local shared memory) take the in-place local steps.
-    window = ringcomm.empty(1001, dtype=torch.bfloat16, group=group)
-    data = random_data(1001, torch.bfloat16, ReduceOp.AVG, rank, case + 1)
-    window.copy_(data)
-    ringcomm.all_reduce(window, ReduceOp.AVG, group=group)
-    assert_close(window, gloo_reduce(data, ReduceOp.AVG, world_size), f"rank {rank} window all_reduce")
+    check_windows(group, rank, world_size, case)
     group.close()
+
+
+def check_windows(group, rank, world_size, case):
+    """Tensors from the group's allocator (local shared memory) take the in-place local steps."""
+    for dtype in (torch.float32, torch.bfloat16):
+        case += 1
+        what = f"rank {rank} {group.transport.kind} windows {dtype}"
+        window = ringcomm.empty(1004, dtype=dtype, group=group)
+        data = random_data(1004, dtype, ReduceOp.AVG, rank, case)
+        expected = gloo_reduce(data, ReduceOp.AVG, world_size)
+        window.copy_(data)
+        ringcomm.all_reduce(window, ReduceOp.AVG, group=group)
+        assert_close(window, expected, "all_reduce " + what)
+        window.copy_(data)
+        own = slice(rank * 251, (rank + 1) * 251)
+        ringcomm.reduce_scatter(window[own], window, ReduceOp.AVG, group=group)
+        assert_close(window[own], expected[own], "reduce_scatter in place " + what)
+        window[own] = data[own]
+        ringcomm.all_gather(window, window[own], group=group)
+        reference = torch.empty_like(data)
+        dist.all_gather_into_tensor(reference, data[own].contiguous())
+        assert torch.equal(window, reference), "all_gather in place " + what
 
 
 # The uneven placement runs the flat torch_dist ring (tested in full by test_collectives): fewer dtypes.

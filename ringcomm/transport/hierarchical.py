@@ -140,7 +140,8 @@ class HierarchicalTransport:
 
     A host's chunks are contiguous when its ranks are consecutive (host-major
     placement); then the data moves in place, else through a scratch buffer.
-    Across hosts each rank moves 1/L of what a flat ring would.
+    The bytes crossing hosts shrink by L against a flat ring (by L/2 for 16-bit
+    floats, whose shards cross in float32).
 
     Precision: AVG runs as SUM on both levels and divides once by the world
     size. 16-bit floats are widened to float32 before the local step; both
