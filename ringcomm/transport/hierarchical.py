@@ -131,7 +131,9 @@ class HierarchicalTransport:
 
       all_reduce:     local reduce-scatter (shard = 1/L) -> cross all-reduce of
                       the shard -> local all-gather; elements past the last
-                      multiple of L go through local and cross all-reduces.
+                      multiple of L, and tensors up to the shm one-shot size
+                      (where latency counts, not bytes), go through a local
+                      and a cross all-reduce.
       reduce_scatter: for each host h, a local reduce-scatter of the L chunks of
                       h's ranks (in local order) -> [H, c] partials -> cross
                       reduce-scatter: chunk h is this rank's.
@@ -152,7 +154,7 @@ class HierarchicalTransport:
     kind = "hierarchical"
 
     def __init__(self, rank: int, placement: Placement, local: ShmTransport, cross: TorchDistTransport,
-                 cross_pg: dist.ProcessGroup) -> None:
+                 cross_pg: dist.ProcessGroup, *, whole_max_nbytes: int) -> None:
         self.rank = rank
         self.world_size = len(placement.hosts)
         self.timeout_s = local.timeout_s
@@ -161,6 +163,7 @@ class HierarchicalTransport:
         self.local_rank = placement.local_rank_of(rank)
         self.local, self.cross, self._cross_pg = local, cross, cross_pg
         self._scratch = (ring.Scratch(), ring.Scratch())  # two buffers live at once
+        self.whole_max_nbytes = whole_max_nbytes  # all_reduce up to here: local + cross all-reduce, no shards
 
     @classmethod
     def create(cls, store: dist.Store, rank: int, placement: Placement, timeout_s: float, *, shm: ShmOptions,
@@ -176,7 +179,7 @@ class HierarchicalTransport:
         except BaseException:
             local.close()
             raise
-        return cls(rank, placement, local, cross, pg)
+        return cls(rank, placement, local, cross, pg, whole_max_nbytes=shm.oneshot_max_nbytes)
 
     def describe(self) -> str:
         layout = "host-major" if self.placement.is_host_major() else "interleaved"
@@ -207,12 +210,15 @@ class HierarchicalTransport:
     def all_reduce(self, input: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> None:
         input, output = input.view(-1), output.view(-1)
         numel, local_size = input.numel(), self.placement.local_world_size
+        if numel * input.element_size() <= self.whole_max_nbytes:
+            self._all_reduce_whole(input, output, op)  # small: two steps beat three
+            return
         shard_numel = numel // local_size
         body = shard_numel * local_size
         if body:
             self._all_reduce_body(input[:body], output[:body], shard_numel, op)
         if body < numel:
-            self._all_reduce_tail(input[body:], output[body:], op)
+            self._all_reduce_whole(input[body:], output[body:], op)
 
     def _all_reduce_body(self, input: torch.Tensor, output: torch.Tensor, shard_numel: int, op: ReduceOp) -> None:
         begin = self.local_rank * shard_numel
@@ -232,13 +238,14 @@ class HierarchicalTransport:
         with self._step("all_reduce", 3, "local all-gather"):
             self.local.all_gather(own, output)
 
-    def _all_reduce_tail(self, input: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> None:
-        """The last numel % L elements: reduced whole on both levels (every ring alike)."""
+    def _all_reduce_whole(self, input: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> None:
+        """Local all-reduce, then a cross-host all-reduce of all of it (every ring
+        alike): for small tensors, and for the last numel % L elements."""
         wide = input.dtype in LOW_PRECISION
         work = self._widened(0, input) if wide else output
-        with self._step("all_reduce", 4, "local all-reduce of the tail"):
+        with self._step("all_reduce", 4, "local all-reduce"):
             self.local.all_reduce(input if not wide else work, work, _level_op(op))
-        with self._step("all_reduce", 5, "cross-host all-reduce of the tail"):
+        with self._step("all_reduce", 5, "cross-host all-reduce"):
             self.cross.all_reduce(work, work, _level_op(op))
         self._finish_reduction(work, output, op)
 
