@@ -6,7 +6,6 @@ import concurrent.futures
 import itertools
 import os
 import re
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -18,12 +17,13 @@ import torch.distributed as dist
 
 from .transport import rendezvous
 from .transport.base import Transport
+from .transport.hierarchical import HierarchicalTransport, auto_transport, exchange_hosts, \
+    open_torch_dist, plan_placement
 from .transport.shm import ShmOptions, ShmTransport
-from .transport.torch_dist import TorchDistOptions, TorchDistTransport
+from .transport.torch_dist import TorchDistOptions
 from .work import Work
 
-TRANSPORTS = ("auto", "shm", "torch_dist")
-SETUP = "ringcomm group set-up"  # how set-up waits name themselves in errors
+TRANSPORTS = ("auto", "shm", "torch_dist", "hierarchical")
 DEFAULT_TIMEOUT_S = 300.0
 
 
@@ -174,38 +174,35 @@ def create_group(store: dist.Store, rank: int, world_size: int, *, options: Grou
                  global_ranks: tuple[int, ...] | None = None) -> Group:
     """Collective over the group's ranks: builds the transport, rendezvousing through
     `store` (a store private to this group). A torch_dist transport rides on a
-    gloo group made on `store`, owned (and shut down) by the group."""
+    gloo group made on `store`, owned (and shut down) by the group; a hierarchical
+    one owns its gloo group (see hierarchical.py)."""
     kind = resolve_transport(store, rank, world_size, options.transport, options.timeout_s)
-    pg = None
+    pg, placement, fallback = None, None, ""
+    if kind == "hierarchical":
+        placement = plan_placement(exchange_hosts(store, rank, world_size, options.timeout_s))
+        fallback = placement.unsupported()
     if kind == "shm":
         transport: Transport = ShmTransport.create(dist.PrefixStore("shm/", store), rank, world_size, options.timeout_s,
                                                    options.shm)
-    else:
-        rendezvous.check_in(store, "torch_dist/arrived", rank, world_size, options.timeout_s, SETUP)
-        pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world_size,
-                                   timedelta(seconds=options.timeout_s))
-        transport = TorchDistTransport(pg, options.timeout_s, options.torch_dist, dist.PrefixStore("torch_dist/", store))
-        try:
-            rendezvous.check_in(store, "torch_dist/ready", rank, world_size, options.timeout_s, SETUP)
-        except RuntimeError:
-            pg.shutdown()
-            raise
+    elif kind == "hierarchical" and not fallback:
+        transport = HierarchicalTransport.create(store, rank, placement, options.timeout_s, shm=options.shm,
+                                                 torch_dist=options.torch_dist)
+    else:  # torch_dist, or the flat ring where the placement rules hierarchical out (describe() says why)
+        transport, pg = open_torch_dist(store, rank, world_size, options.timeout_s, options.torch_dist,
+                                        fallback=fallback)
     return Group(transport, global_ranks or tuple(range(world_size)), owned_pg=pg)
 
 
 def resolve_transport(store: dist.Store, rank: int, world_size: int, requested: str, timeout_s: float) -> str:
-    """`RINGCOMM_TRANSPORT` wins over `requested`; "auto" is shm when every rank
-    is on this host (same host name), torch_dist otherwise."""
+    """`RINGCOMM_TRANSPORT` wins over `requested`; "auto" compares the ranks' hosts
+    (RINGCOMM_HOST, else the host name): shm on one host, torch_dist when every
+    rank is on a host of its own, hierarchical otherwise."""
     kind = os.environ.get("RINGCOMM_TRANSPORT", requested)
     if kind not in TRANSPORTS:
         raise ValueError(f"ringcomm: transport {kind!r} is not one of {TRANSPORTS} (RINGCOMM_TRANSPORT or transport=)")
     if kind != "auto":
         return kind
-    store.set(f"host/{rank}", socket.gethostname())
-    rendezvous.wait_for(store, [f"host/{r}" for r in range(world_size)], timeout_s,
-                        f"{SETUP}: rank {rank} waiting for every rank's host name")
-    hosts = {store.get(f"host/{r}").decode() for r in range(world_size)}
-    return "shm" if len(hosts) == 1 else "torch_dist"
+    return auto_transport(exchange_hosts(store, rank, world_size, timeout_s))
 
 
 def new_group(ranks: list[int] | None = None, *, transport: str = "auto", timeout: float | timedelta = DEFAULT_TIMEOUT_S,

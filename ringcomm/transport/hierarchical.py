@@ -1,0 +1,356 @@
+"""Hierarchical transport for groups that span hosts: shared memory inside each
+host, a torch_dist ring across hosts between the ranks of one local rank, so
+the bytes that cross hosts shrink by the number of ranks per host."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import socket
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from . import rendezvous
+from .shm import ShmOptions, ShmTransport
+from .torch_dist import TorchDistOptions, TorchDistTransport
+from .. import ring
+from ..kernels import reduce_into
+from ..ops import LOW_PRECISION, ReduceOp
+
+HOST_ENV = "RINGCOMM_HOST"  # overrides the host name (simulated hosts in tests and benchmarks)
+SETUP = "ringcomm group set-up"
+
+
+def host_name() -> str:
+    """This process's host as ringcomm sees it: RINGCOMM_HOST, else the host name."""
+    return os.environ.get(HOST_ENV) or socket.gethostname()
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where the group's ranks are. Hosts are numbered by their lowest rank; a
+    host's ranks, ascending, have local ranks 0, 1, ..."""
+
+    hosts: tuple[str, ...]  # host name of each rank
+    ranks_on: tuple[tuple[int, ...], ...]  # ranks of each host, ascending
+
+    @property
+    def num_hosts(self) -> int:
+        return len(self.ranks_on)
+
+    @property
+    def local_world_size(self) -> int:
+        return len(self.ranks_on[0])
+
+    def host_of(self, rank: int) -> int:
+        return next(h for h, ranks in enumerate(self.ranks_on) if rank in ranks)
+
+    def local_rank_of(self, rank: int) -> int:
+        return self.ranks_on[self.host_of(rank)].index(rank)
+
+    def unsupported(self) -> str:
+        """Why the hierarchical algorithms cannot run here ("" when they can)."""
+        counts = [len(ranks) for ranks in self.ranks_on]
+        if len(set(counts)) > 1:
+            return f"hosts hold unequal numbers of ranks {counts}"
+        if counts[0] == 1:
+            return "every rank is on its own host"
+        if len(counts) == 1:
+            return "all ranks are on one host"
+        return ""
+
+    def is_host_major(self) -> bool:
+        return all(_consecutive(ranks) for ranks in self.ranks_on)
+
+
+def plan_placement(hosts: Sequence[str]) -> Placement:
+    by_host: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts):
+        by_host.setdefault(host, []).append(rank)
+    return Placement(tuple(hosts), tuple(tuple(ranks) for ranks in by_host.values()))
+
+
+def auto_transport(hosts: Sequence[str]) -> str:
+    """shm on one host, torch_dist when every rank has a host of its own,
+    hierarchical in between."""
+    num_hosts = len(set(hosts))
+    if num_hosts == 1:
+        return "shm"
+    return "torch_dist" if num_hosts == len(hosts) else "hierarchical"
+
+
+def exchange_hosts(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> list[str]:
+    """Collective: every rank's host name, through the group's store."""
+    store.set(f"host/{rank}", host_name())
+    rendezvous.wait_for(store, [f"host/{r}" for r in range(world_size)], timeout_s,
+                        f"{SETUP}: rank {rank} waiting for every rank's host name")
+    return [store.get(f"host/{r}").decode() for r in range(world_size)]
+
+
+def open_torch_dist(store: dist.Store, rank: int, world_size: int, timeout_s: float, options: TorchDistOptions, *,
+                    fallback: str = "") -> tuple[TorchDistTransport, dist.ProcessGroup]:
+    """Collective: a torch_dist transport on a new gloo group made on `store`;
+    the caller owns (and shuts down) the returned process group. `fallback`:
+    why this flat ring stands in for a hierarchical transport."""
+    rendezvous.check_in(store, "torch_dist/arrived", rank, world_size, timeout_s, SETUP)
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world_size, timedelta(seconds=timeout_s))
+    try:
+        diagnosis_store = dist.PrefixStore("torch_dist/", store)
+        transport = (FlatFallback(pg, timeout_s, options, diagnosis_store, fallback) if fallback
+                     else TorchDistTransport(pg, timeout_s, options, diagnosis_store))
+        rendezvous.check_in(store, "torch_dist/ready", rank, world_size, timeout_s, SETUP)
+    except BaseException:
+        pg.shutdown()
+        raise
+    return transport, pg
+
+
+class FlatFallback(TorchDistTransport):
+    """The flat torch_dist ring, used where hierarchical was asked for but the
+    placement does not allow it; describe() says why."""
+
+    def __init__(self, pg: dist.ProcessGroup, timeout_s: float, options: TorchDistOptions, store: dist.Store,
+                 reason: str) -> None:
+        super().__init__(pg, timeout_s, options, store)
+        self.reason = reason
+
+    def describe(self) -> str:
+        return f"torch_dist (flat ring; not hierarchical because {self.reason})"
+
+
+class HierarchicalTransport:
+    """[Note: hierarchical collectives]
+    H hosts x L ranks per host. `local` is an shm transport over this host's L
+    ranks; `cross` is a torch_dist ring over the H ranks that share this rank's
+    local rank (cross rank = host number). With c = output (reduce-scatter)
+    or input (all-gather) numel:
+
+      all_reduce:     local reduce-scatter (shard = 1/L) -> cross all-reduce of
+                      the shard -> local all-gather; elements past the last
+                      multiple of L, and tensors up to the shm one-shot size
+                      (where latency counts, not bytes), go through a local
+                      and a cross all-reduce.
+      reduce_scatter: for each host h, a local reduce-scatter of the L chunks of
+                      h's ranks (in local order) -> [H, c] partials -> cross
+                      reduce-scatter: chunk h is this rank's.
+      all_gather:     cross all-gather of the input -> [H, c]; for each host h a
+                      local all-gather of part h into the chunks of h's ranks.
+
+    A host's chunks are contiguous when its ranks are consecutive (host-major
+    placement); then the data moves in place, else through a scratch buffer.
+    The bytes crossing hosts shrink by L against a flat ring (by L/2 for 16-bit
+    floats, whose shards cross in float32).
+
+    Precision: AVG runs as SUM on both levels and divides once by the world
+    size. 16-bit floats are widened to float32 before the local step; both
+    levels sum in float32 and the result is rounded once, at the end (the cost:
+    one widening copy and float32 shards across hosts).
+    """
+
+    kind = "hierarchical"
+
+    def __init__(self, rank: int, placement: Placement, local: ShmTransport, cross: TorchDistTransport,
+                 cross_pg: dist.ProcessGroup, *, whole_max_nbytes: int) -> None:
+        self.rank = rank
+        self.world_size = len(placement.hosts)
+        self.timeout_s = local.timeout_s
+        self.placement = placement
+        self.host = placement.host_of(rank)
+        self.local_rank = placement.local_rank_of(rank)
+        self.local, self.cross, self._cross_pg = local, cross, cross_pg
+        self._scratch = (ring.Scratch(), ring.Scratch())  # two buffers live at once
+        self.whole_max_nbytes = whole_max_nbytes  # all_reduce up to here: local + cross all-reduce, no shards
+
+    @classmethod
+    def create(cls, store: dist.Store, rank: int, placement: Placement, timeout_s: float, *, shm: ShmOptions,
+               torch_dist: TorchDistOptions) -> HierarchicalTransport:
+        """Collective over the group: an shm transport per host, a gloo ring per local rank."""
+        host, local_rank = placement.host_of(rank), placement.local_rank_of(rank)
+        shm = _shm_options_for_machine(store, rank, len(placement.hosts), timeout_s, shm)
+        local = ShmTransport.create(dist.PrefixStore(f"hier/host{host}/", store), local_rank,
+                                    placement.local_world_size, timeout_s, shm)
+        try:
+            cross, pg = open_torch_dist(dist.PrefixStore(f"hier/local{local_rank}/", store), host,
+                                        placement.num_hosts, timeout_s, torch_dist)
+        except BaseException:
+            local.close()
+            raise
+        return cls(rank, placement, local, cross, pg, whole_max_nbytes=shm.oneshot_max_nbytes)
+
+    def describe(self) -> str:
+        layout = "host-major" if self.placement.is_host_major() else "interleaved"
+        return (f"hierarchical: {self.placement.num_hosts} hosts x {self.placement.local_world_size} ranks "
+                f"({layout}): shm inside a host, torch_dist ring across hosts")
+
+    def supports(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_cpu
+
+    def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.local.allocate(numel, dtype)  # the local steps read it in place
+
+    @contextlib.contextmanager
+    def _step(self, op: str, step: int, what: str) -> Iterator[None]:
+        """Names op, step and ranks (global, and which global ranks the
+        sub-transport's ranks are) in a failure of one sub-transport call."""
+        try:
+            yield
+        except RuntimeError as err:
+            host_ranks = self.placement.ranks_on[self.host]
+            ring_ranks = [ranks[self.local_rank] for ranks in self.placement.ranks_on]
+            raise RuntimeError(
+                f"{op}: rank {self.rank} (host {self.host} {self.placement.hosts[self.rank]!r}, local rank "
+                f"{self.local_rank}) failed at step {step} ({what}); local ranks 0..{len(host_ranks) - 1} are "
+                f"global ranks {list(host_ranks)}, cross-host ring ranks 0..{len(ring_ranks) - 1} are global "
+                f"ranks {ring_ranks}: {err}") from err
+
+    def all_reduce(self, input: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> None:
+        input, output = input.view(-1), output.view(-1)
+        numel, local_size = input.numel(), self.placement.local_world_size
+        if numel * input.element_size() <= self.whole_max_nbytes:
+            self._all_reduce_whole(input, output, op)  # small: two steps beat three
+            return
+        shard_numel = numel // local_size
+        body = shard_numel * local_size
+        if body:
+            self._all_reduce_body(input[:body], output[:body], shard_numel, op)
+        if body < numel:
+            self._all_reduce_whole(input[body:], output[body:], op)
+
+    def _all_reduce_body(self, input: torch.Tensor, output: torch.Tensor, shard_numel: int, op: ReduceOp) -> None:
+        begin = self.local_rank * shard_numel
+        own = output[begin:begin + shard_numel]
+        wide = input.dtype in LOW_PRECISION
+        sum_op = _level_op(op)
+        if wide:
+            source = self._widened(0, input)
+            shard = self._scratch[1].get(shard_numel, torch.float32, input.device)
+        else:
+            source, shard = input, own  # in place when input is output: own is chunk local_rank of it
+        with self._step("all_reduce", 1, "local reduce-scatter"):
+            self.local.reduce_scatter(source, shard, sum_op)
+        with self._step("all_reduce", 2, "cross-host all-reduce"):
+            self.cross.all_reduce(shard, shard, sum_op)
+        self._finish_reduction(shard, own, op)
+        with self._step("all_reduce", 3, "local all-gather"):
+            self.local.all_gather(own, output)
+
+    def _all_reduce_whole(self, input: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> None:
+        """Local all-reduce, then a cross-host all-reduce of all of it (every ring
+        alike): for small tensors, and for the last numel % L elements."""
+        wide = input.dtype in LOW_PRECISION
+        work = self._widened(0, input) if wide else output
+        with self._step("all_reduce", 4, "local all-reduce"):
+            self.local.all_reduce(input if not wide else work, work, _level_op(op))
+        with self._step("all_reduce", 5, "cross-host all-reduce"):
+            self.cross.all_reduce(work, work, _level_op(op))
+        self._finish_reduction(work, output, op)
+
+    def reduce_scatter(self, input: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> None:
+        input, output = input.view(-1), output.view(-1)
+        numel = output.numel()
+        if numel == 0:
+            return
+        acc_dtype = torch.float32 if input.dtype in LOW_PRECISION else input.dtype
+        partials = self._scratch[1].get(self.placement.num_hosts * numel, acc_dtype, input.device)
+        for host, ranks in enumerate(self.placement.ranks_on):
+            block = self._host_chunks(input, ranks, numel, acc_dtype)
+            with self._step("reduce_scatter", 1, f"local reduce-scatter of host {host}'s chunks"):
+                self.local.reduce_scatter(block, partials[host * numel:(host + 1) * numel], _level_op(op))
+        result = output if acc_dtype == output.dtype else self._scratch[0].get(numel, acc_dtype, input.device)
+        with self._step("reduce_scatter", 2, "cross-host reduce-scatter"):
+            self.cross.reduce_scatter(partials, result, _level_op(op))
+        self._finish_reduction(result, output, op)
+
+    def all_gather(self, input: torch.Tensor, output: torch.Tensor) -> None:
+        input, output = input.view(-1), output.view(-1)
+        numel = input.numel()
+        if numel == 0:
+            return
+        gathered = self._scratch[0].get(self.placement.num_hosts * numel, input.dtype, input.device)
+        with self._step("all_gather", 1, "cross-host all-gather"):
+            self.cross.all_gather(input, gathered)
+        for host, ranks in enumerate(self.placement.ranks_on):
+            part = gathered[host * numel:(host + 1) * numel]
+            if _consecutive(ranks):
+                with self._step("all_gather", 2, f"local all-gather of host {host}'s chunks"):
+                    self.local.all_gather(part, output[ranks[0] * numel:(ranks[-1] + 1) * numel])
+                continue
+            block = self._scratch[1].get(len(ranks) * numel, input.dtype, input.device)
+            with self._step("all_gather", 2, f"local all-gather of host {host}'s chunks"):
+                self.local.all_gather(part, block)
+            for local_rank, rank in enumerate(ranks):
+                output[rank * numel:(rank + 1) * numel].copy_(block[local_rank * numel:(local_rank + 1) * numel])
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> None:
+        """Across hosts among the root's local rank, then inside every host."""
+        root_host, root_local = self.placement.host_of(root), self.placement.local_rank_of(root)
+        flat = tensor.view(-1)
+        if self.local_rank == root_local:
+            with self._step("broadcast", 1, f"cross-host broadcast from host {root_host}"):
+                self.cross.broadcast(flat, root_host)
+        with self._step("broadcast", 2, f"local broadcast from local rank {root_local}"):
+            self.local.broadcast(flat, root_local)
+
+    def barrier(self) -> None:
+        """Local, cross, local: the second local barrier waits for every ring."""
+        for step, (what, level) in enumerate((("local", self.local), ("cross-host", self.cross),
+                                              ("local", self.local)), start=1):
+            with self._step("barrier", step, f"{what} barrier"):
+                level.barrier()
+
+    def close(self) -> None:
+        self.local.close()
+        self.cross.close()
+        if self._cross_pg is not None:
+            self._cross_pg.shutdown()
+            self._cross_pg = None
+
+    def _widened(self, which: int, tensor: torch.Tensor) -> torch.Tensor:
+        """A float32 copy of `tensor` in scratch buffer `which`."""
+        wide = self._scratch[which].get(tensor.numel(), torch.float32, tensor.device)
+        wide.copy_(tensor)
+        return wide
+
+    def _host_chunks(self, input: torch.Tensor, ranks: tuple[int, ...], numel: int,
+                     acc_dtype: torch.dtype) -> torch.Tensor:
+        """Chunks ranks[0], ranks[1], ... of `input`, contiguous: a view when the
+        ranks are consecutive and no widening is due, else a copy in scratch."""
+        if _consecutive(ranks) and acc_dtype == input.dtype:
+            return input[ranks[0] * numel:(ranks[-1] + 1) * numel]
+        block = self._scratch[0].get(len(ranks) * numel, acc_dtype, input.device)
+        for local_rank, rank in enumerate(ranks):
+            block[local_rank * numel:(local_rank + 1) * numel].copy_(input[rank * numel:(rank + 1) * numel])
+        return block
+
+    def _finish_reduction(self, reduced: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> None:
+        """AVG's one division by the world size, then the one rounding to 16 bits."""
+        if op == ReduceOp.AVG:
+            reduce_into(reduced, [reduced], ReduceOp.AVG, self.world_size)
+        if reduced.data_ptr() != output.data_ptr() or reduced.dtype != output.dtype:
+            output.copy_(reduced)
+
+
+def _shm_options_for_machine(store: dist.Store, rank: int, world_size: int, timeout_s: float,
+                             options: ShmOptions) -> ShmOptions:
+    """No spinning when the ranks on this machine outnumber its cores: with
+    simulated hosts (RINGCOMM_HOST) several shm groups share one machine, and
+    spinning ranks of one group starve the ranks of another."""
+    store.set(f"machine/{rank}", socket.gethostname())
+    rendezvous.wait_for(store, [f"machine/{r}" for r in range(world_size)], timeout_s,
+                        f"{SETUP}: rank {rank} waiting for every rank's machine name")
+    here = socket.gethostname()
+    on_machine = sum(store.get(f"machine/{r}").decode() == here for r in range(world_size))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return dataclasses.replace(options, spin_us=0.0) if on_machine > cores else options
+
+
+def _level_op(op: ReduceOp) -> ReduceOp:
+    return ReduceOp.SUM if op == ReduceOp.AVG else op
+
+
+def _consecutive(ranks: tuple[int, ...]) -> bool:
+    return ranks == tuple(range(ranks[0], ranks[0] + len(ranks)))

@@ -1,0 +1,195 @@
+"""Hierarchical transport: 4 ranks as simulated hosts (RINGCOMM_HOST), against
+torch.distributed gloo on the same random data; auto's choice; a dead peer."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ringcomm
+from harness import run_ranks
+from ringcomm import ReduceOp
+from test_collectives import DTYPES, SMALL_SEGMENTS, assert_close, gloo_reduce, random_data
+
+HOST_MAJOR = ("a", "a", "b", "b")
+INTERLEAVED = ("a", "b", "a", "b")
+UNEVEN = ("a", "a", "a", "b")
+ALL_REDUCE_NUMELS = (0, 1, 3, 13, 1001)  # odd totals: the tail past the last multiple of 2 local ranks
+CHUNK_NUMELS = (0, 1, 7, 250)  # reduce_scatter output / all_gather input
+
+
+def hierarchical_group(rank: int, hosts: tuple[str, ...], **kwargs) -> ringcomm.Group:
+    os.environ["RINGCOMM_HOST"] = hosts[rank]
+    return ringcomm.new_group(transport="hierarchical", timeout=kwargs.pop("timeout", 30.0), **SMALL_SEGMENTS,
+                              **kwargs)
+
+
+def check_reductions(group, rank, world_size, dtype, op, case):
+    for numel in ALL_REDUCE_NUMELS:
+        case += 1
+        what = f"rank {rank} {group.transport.kind} {dtype} {op.name} numel={numel}"
+        data = random_data(numel, dtype, op, rank, case)
+        expected = gloo_reduce(data, op, world_size)
+        tensor = data.clone()
+        ringcomm.all_reduce(tensor, op, group=group)
+        assert_close(tensor, expected, "all_reduce in place " + what)
+        output = torch.full_like(data, 7)
+        ringcomm.all_reduce(data, op, group=group, output=output)
+        assert_close(output, expected, "all_reduce out of place " + what)
+    for numel in CHUNK_NUMELS:
+        case += 1
+        what = f"rank {rank} {group.transport.kind} {dtype} {op.name} chunk numel={numel}"
+        data = random_data(numel * world_size, dtype, op, rank, case)
+        expected = gloo_reduce(data, op, world_size)[rank * numel:(rank + 1) * numel]
+        output = torch.empty(numel, dtype=dtype)
+        source = data.clone()
+        ringcomm.reduce_scatter(output, source, op, group=group)
+        assert_close(output, expected, "reduce_scatter " + what)
+        assert torch.equal(source, data), "reduce_scatter modified its input " + what
+        ringcomm.reduce_scatter(source[rank * numel:(rank + 1) * numel], source, op, group=group)
+        assert_close(source[rank * numel:(rank + 1) * numel], expected, "reduce_scatter in place " + what)
+    return case
+
+
+def check_moves(group, rank, world_size, dtype, case):
+    for numel in CHUNK_NUMELS:
+        case += 1
+        what = f"rank {rank} {group.transport.kind} {dtype} numel={numel}"
+        mine = random_data(numel, dtype, ReduceOp.SUM, rank, case)
+        expected = torch.empty(numel * world_size, dtype=dtype)
+        dist.all_gather_into_tensor(expected, mine)
+        gathered = torch.empty(numel * world_size, dtype=dtype)
+        ringcomm.all_gather(gathered, mine, group=group)
+        assert torch.equal(gathered, expected), "all_gather " + what
+        in_place = torch.zeros(numel * world_size, dtype=dtype)
+        in_place[rank * numel:(rank + 1) * numel] = mine
+        ringcomm.all_gather(in_place, in_place[rank * numel:(rank + 1) * numel], group=group)
+        assert torch.equal(in_place, expected), "all_gather in place " + what
+        root = case % world_size
+        shared = mine.clone()
+        ringcomm.broadcast(shared, src=root, group=group)
+        assert torch.equal(shared, expected[root * numel:(root + 1) * numel]), f"broadcast root {root} " + what
+    return case
+
+
+def check_against_gloo(rank, world_size, hosts, kind, description, dtypes):
+    group = hierarchical_group(rank, hosts)
+    assert group.transport.kind == kind, f"rank {rank}: {group!r}"
+    assert description in group.transport.describe(), f"rank {rank}: {group.transport.describe()}"
+    case = 0
+    for dtype in dtypes:
+        for op in ReduceOp:
+            case = check_reductions(group, rank, world_size, dtype, op, case)
+        case = check_moves(group, rank, world_size, dtype, case)
+    ringcomm.barrier(group=group)
+    check_windows(group, rank, world_size, case)
+    group.close()
+
+
+def check_windows(group, rank, world_size, case):
+    """Tensors from the group's allocator (local shared memory) take the in-place local steps."""
+    for dtype in (torch.float32, torch.bfloat16):
+        case += 1
+        what = f"rank {rank} {group.transport.kind} windows {dtype}"
+        window = ringcomm.empty(1004, dtype=dtype, group=group)
+        data = random_data(1004, dtype, ReduceOp.AVG, rank, case)
+        expected = gloo_reduce(data, ReduceOp.AVG, world_size)
+        window.copy_(data)
+        ringcomm.all_reduce(window, ReduceOp.AVG, group=group)
+        assert_close(window, expected, "all_reduce " + what)
+        window.copy_(data)
+        own = slice(rank * 251, (rank + 1) * 251)
+        ringcomm.reduce_scatter(window[own], window, ReduceOp.AVG, group=group)
+        assert_close(window[own], expected[own], "reduce_scatter in place " + what)
+        window[own] = data[own]
+        ringcomm.all_gather(window, window[own], group=group)
+        reference = torch.empty_like(data)
+        dist.all_gather_into_tensor(reference, data[own].contiguous())
+        assert torch.equal(window, reference), "all_gather in place " + what
+
+
+# The uneven placement runs the flat torch_dist ring (tested in full by test_collectives): fewer dtypes.
+@pytest.mark.parametrize("hosts, kind, description, dtypes", [
+    (HOST_MAJOR, "hierarchical", "2 hosts x 2 ranks (host-major)", DTYPES),
+    (INTERLEAVED, "hierarchical", "2 hosts x 2 ranks (interleaved)", DTYPES),
+    (UNEVEN, "torch_dist", "unequal numbers of ranks [3, 1]", [torch.float32, torch.bfloat16, torch.int64]),
+], ids=["host_major", "interleaved", "uneven"])
+def test_hierarchical_matches_gloo(hosts, kind, description, dtypes):
+    run_ranks(check_against_gloo, 4, hosts, kind, description, dtypes, timeout=120)
+
+
+def check_bf16_rounds_once(rank, world_size, hosts):
+    """As in test_collectives: rank 0 adds 1, the others 2^-8; only one rounding keeps the sum above 1."""
+    group = hierarchical_group(rank, hosts)
+    tiny = 2 ** -8
+    for numel in (5, 700):
+        tensor = torch.full((numel,), 1.0 if rank == 0 else tiny, dtype=torch.bfloat16)
+        ringcomm.all_reduce(tensor, group=group)
+        exact = torch.tensor(1 + (world_size - 1) * tiny, dtype=torch.float32).to(torch.bfloat16)
+        assert torch.all(tensor == exact), f"rank {rank} {numel}: {tensor[:3]} != {exact}"
+
+
+def test_bf16_all_reduce_rounds_once():
+    run_ranks(check_bf16_rounds_once, 4, HOST_MAJOR)
+
+
+def check_auto_choice(rank, world_size):
+    cases = [(("a", "a", "b", "b"), "hierarchical"), (("a", "b", "a", "b"), "hierarchical"),
+             (("a",) * 4, "shm"), (("a", "b", "c", "d"), "torch_dist")]
+    for hosts, kind in cases:
+        os.environ["RINGCOMM_HOST"] = hosts[rank]
+        group = ringcomm.new_group(timeout=30)
+        assert group.transport.kind == kind, f"rank {rank} hosts {hosts}: {group!r}, expected {kind}"
+        tensor = torch.full((11,), float(rank + 1))
+        ringcomm.all_reduce(tensor, group=group)
+        assert torch.all(tensor == 10), f"rank {rank} hosts {hosts}: {tensor}"
+        group.close()
+
+
+def test_auto_picks_hierarchical_when_hosts_differ():
+    run_ranks(check_auto_choice, 4, env={"RINGCOMM_TRANSPORT": "auto"})
+
+
+TIMEOUT_S = 3.0
+
+
+def die_during_all_reduce(rank, world_size, hosts):
+    group = hierarchical_group(rank, hosts, timeout=TIMEOUT_S)
+    big = torch.ones(8 << 20)  # 32 MiB: many segments on both levels
+    ringcomm.barrier(group=group)
+    if rank == 1:
+        ringcomm.all_reduce(big, group=group, async_op=True)
+        time.sleep(0.005)
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        for _ in range(100):
+            ringcomm.all_reduce(big, group=group)
+    elapsed = time.monotonic() - start
+    message = str(info.value)
+    assert f"all_reduce: rank {rank} " in message and "at step" in message, message
+    assert elapsed < 3 * TIMEOUT_S, f"rank {rank} took {elapsed:.1f} s to notice: {message}"
+    return message
+
+
+def test_dead_peer_fails_every_rank():
+    messages = run_ranks(die_during_all_reduce, 4, INTERLEAVED, may_die=frozenset({1}), timeout=60)
+    assert messages[1] is None
+    assert all(messages[r] for r in (0, 2, 3)), messages
+
+
+def test_placement_and_auto_choice_are_pure():
+    from ringcomm.transport.hierarchical import auto_transport, plan_placement
+
+    interleaved = plan_placement(INTERLEAVED)
+    assert interleaved.ranks_on == ((0, 2), (1, 3)) and not interleaved.is_host_major()
+    assert (interleaved.host_of(3), interleaved.local_rank_of(3)) == (1, 1)
+    assert plan_placement(HOST_MAJOR).is_host_major() and not plan_placement(HOST_MAJOR).unsupported()
+    assert "unequal" in plan_placement(UNEVEN).unsupported()
+    assert "own host" in plan_placement(("a", "b")).unsupported()
+    assert [auto_transport(h) for h in (("a",) * 3, ("a", "b", "c"), HOST_MAJOR, UNEVEN)] == \
+        ["shm", "torch_dist", "hierarchical", "hierarchical"]
