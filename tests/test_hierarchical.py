@@ -13,7 +13,7 @@ import torch.distributed as dist
 import ringcomm
 from harness import run_ranks
 from ringcomm import ReduceOp
-from test_collectives import DTYPES, SMALL_SEGMENTS, assert_close, gloo_reduce, random_data
+from test_collectives import DTYPES, SMALL_CMA, SMALL_TORCH_DIST, assert_close, gloo_reduce, random_data
 
 HOST_MAJOR = ("a", "a", "b", "b")
 INTERLEAVED = ("a", "b", "a", "b")
@@ -24,8 +24,8 @@ CHUNK_NUMELS = (0, 1, 7, 250)  # reduce_scatter output / all_gather input
 
 def hierarchical_group(rank: int, hosts: tuple[str, ...], **kwargs) -> ringcomm.Group:
     os.environ["RINGCOMM_HOST"] = hosts[rank]
-    return ringcomm.new_group(transport="hierarchical", timeout=kwargs.pop("timeout", 30.0), **SMALL_SEGMENTS,
-                              **kwargs)
+    return ringcomm.new_group(transport="hierarchical", timeout=kwargs.pop("timeout", 30.0), shm=SMALL_CMA,
+                              torch_dist=SMALL_TORCH_DIST, **kwargs)
 
 
 def check_reductions(group, rank, world_size, dtype, op, case):
