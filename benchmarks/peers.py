@@ -59,7 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds for building DeepSpeed's shm op (default 300; --quick 0: an earlier build only)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds any one collective may take")
     p.add_argument("--json", default="bench-results/peers.json", help="write every sample and the header here")
-    p.add_argument("--plot", default=None, help="write busbw vs size per op (log-log PNG) here")
+    p.add_argument("--plot", default="bench-results/peers.png",
+                   help="write busbw vs size per op (log-log PNG) here; '' for none")
     args = p.parse_args(argv)
     args.ops = _subset(p, "--ops", args.ops, OPS)
     args.peers = _subset(p, "--peers", args.peers, ALL_PEERS)
@@ -122,9 +123,8 @@ def worker(args: argparse.Namespace) -> None:
     header.update(info, loadavg_end=load_average())
     if rank == 0:
         report(args, header, peers, notes, quiet, contended, world_size)
-    for group in (handles.group,):
-        if group is not None:
-            group.close()
+    if handles.group is not None:
+        handles.group.close()
 
 
 # -- launching -----------------------------------------------------------------------------

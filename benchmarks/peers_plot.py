@@ -2,6 +2,8 @@
 (median over rounds), memcpy as the dashed limit line."""
 from __future__ import annotations
 
+import os
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -29,4 +31,5 @@ def plot(args, header: dict, stats: dict, path: str) -> None:
         ax.legend(fontsize=8)
     fig.suptitle(f"ringcomm vs peers on {header['host']} ({header['cpus']} cpus, load {header['loadavg_start']})")
     fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)

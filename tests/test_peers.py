@@ -4,7 +4,6 @@ shape and every result verified; the table's ratio and WRONG cells on
 made-up numbers; the size list and the mpirun line."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -16,8 +15,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
 SCRIPT = os.path.join(BENCH, "peers.py")
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
-HAVE_MPI = importlib.util.find_spec("mpi4py") is not None
 sys.path.insert(0, BENCH)
+from peers_setup import installed  # noqa: E402
+
+HAVE_MPI = installed("mpi4py")
 
 
 def run_quick(tmp_path, *extra: str) -> tuple[dict, str]:
@@ -80,8 +81,10 @@ def test_ratio_takes_the_best_verified_peer_and_flags_wrong_results():
     cells = {("all_reduce", 1 << 20, "rc_plain"): fake_cell("all_reduce", 1 << 20, 1e-3),
              ("all_reduce", 1 << 20, "mpi"): fake_cell("all_reduce", 1 << 20, 2e-3),
              ("all_reduce", 1 << 20, "gloo"): fake_cell("all_reduce", 1 << 20, 1e-4, wrong=5),  # fast but wrong
+             ("all_reduce", 1 << 20, "deepspeed"): fake_cell("all_reduce", 1 << 20, 4e-3),
              ("all_reduce", 8, "rc_plain"): fake_cell("all_reduce", 8, 4e-6),
-             ("all_reduce", 8, "mpi"): fake_cell("all_reduce", 8, 1e-6)}
+             ("all_reduce", 8, "mpi"): fake_cell("all_reduce", 8, 1e-6),
+             ("all_reduce", 8, "gloo"): fake_cell("all_reduce", 8, 300e-6)}
     stats = summaries(cells, world_size=2)
     assert ratio(stats, "all_reduce", 1 << 20, "rc_plain") == (pytest.approx(2.0), "mpi")
     assert ratio(stats, "all_reduce", 8, "rc_plain") == (pytest.approx(0.25), "mpi")  # 8 B: times
