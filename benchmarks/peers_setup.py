@@ -130,7 +130,7 @@ def build_deepspeed_op(timeout_s: float) -> tuple[str | None, str]:
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         proc.wait()
         stale = locks_before & _locks()
         for lock in _locks() - locks_before:
@@ -142,6 +142,24 @@ def build_deepspeed_op(timeout_s: float) -> tuple[str | None, str]:
         last = (out.strip().splitlines() or ["no output"])[-1]
         return None, f"{SHM_OP} build failed (exit {proc.returncode}): {last[:160]}"
     return lines[-1][3:], ""
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL pid and all its descendants: ninja starts each compiler in a
+    process group of its own, so killing the child's group would leave them."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+    todo, tree = [pid], []
+    while todo:
+        tree.append(todo.pop())
+        todo.extend(children.get(tree[-1], []))
+    for member in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(member, signal.SIGKILL)
 
 
 def _locks() -> set[str]:

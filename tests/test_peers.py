@@ -106,3 +106,19 @@ def test_sizes_and_mpirun_line():
     line = mpirun_command("mpirun", cores, 1234, ["peers.py"])
     assert "--oversubscribe" not in line and ["--mca", "btl", "self,sm"] == line[line.index("btl") - 1:line.index("btl") + 2]
     assert "--oversubscribe" in mpirun_command("mpirun", cores + 1, 1234, ["peers.py"])
+
+
+@pytest.mark.skipif(not installed("deepspeed"), reason="DeepSpeed not installed")
+def test_deepspeed_build_never_hangs_on_a_stale_lock(tmp_path, monkeypatch):
+    # A killed build leaves torch's `lock`; the next build waits on it forever. The
+    # benchmark's build must stop at its timeout, name the lock, and leave it alone.
+    from peers_setup import SHM_OP, build_deepspeed_op
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / SHM_OP / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    assert build_deepspeed_op(0) == (None, f"{SHM_OP} not built yet (a run without --quick builds it, ~1 min)")
+    path, note = build_deepspeed_op(6)
+    assert path is None and "over 6 s" in note and str(lock) in note, note
+    assert lock.exists()
