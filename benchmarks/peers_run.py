@@ -6,6 +6,7 @@ import contextlib
 import importlib.metadata
 import os
 import platform
+import sys
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -75,7 +76,17 @@ def _facts(args, handles: Handles, world_size: int) -> dict:
     return {"host": platform.node(), "cpus": os.cpu_count(), "world_size": world_size,
             "torch": torch.__version__, "open_mpi": mpi_library, "mpi4py": _version("mpi4py"),
             "deepspeed": _version("deepspeed"), "ringcomm_transport": describe() if transport else "-",
-            "launch": f"mpirun ({mca})" if "OMPI_COMM_WORLD_RANK" in os.environ else args.launched_by}
+            "launch": f"mpirun ({mca}; {_ptrace_scope()})" if "OMPI_COMM_WORLD_RANK" in os.environ
+            else args.launched_by}
+
+
+def _ptrace_scope() -> str:
+    """What decides whether CMA (process_vm_readv between sibling ranks) may work."""
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            return f"yama ptrace_scope {f.read().strip()}"
+    except OSError:
+        return "no yama ptrace_scope"
 
 
 # -- the rounds ------------------------------------------------------------------------------
@@ -88,6 +99,9 @@ def measure(args, handles: Handles, peers: list[str], rank: int, world_size: int
         with busy():
             dist.barrier()
             for nbytes in args.sizes:
+                if rank == 0 and sys.stderr.isatty():
+                    print(f"# {'contended' if contended else 'quiet'} round {round_index + 1}/{args.rounds}: "
+                          f"{nbytes} B", file=sys.stderr, flush=True)
                 _measure_size(args, handles, peers, cells, nbytes, round_index, rank, world_size)
         if rank == 0:
             phase = "contended" if contended else "quiet"

@@ -71,20 +71,20 @@ def test_spawned_ranks_show_mpi_as_off(tmp_path):
     assert "Open MPI: '-' (--launcher spawn)" in stdout, stdout
 
 
-def fake_cell(op: str, nbytes: int, seconds: float, wrong: int = 0) -> dict:
+def fake_cell(seconds: float, wrong: int = 0) -> dict:
     return {"seconds": [seconds, seconds * 2, seconds * 3], "iters": 10, "wrong": wrong}
 
 
 def test_ratio_takes_the_best_verified_peer_and_flags_wrong_results():
     from peers_report import cell_text, ratio, summaries
 
-    cells = {("all_reduce", 1 << 20, "rc_plain"): fake_cell("all_reduce", 1 << 20, 1e-3),
-             ("all_reduce", 1 << 20, "mpi"): fake_cell("all_reduce", 1 << 20, 2e-3),
-             ("all_reduce", 1 << 20, "gloo"): fake_cell("all_reduce", 1 << 20, 1e-4, wrong=5),  # fast but wrong
-             ("all_reduce", 1 << 20, "deepspeed"): fake_cell("all_reduce", 1 << 20, 4e-3),
-             ("all_reduce", 8, "rc_plain"): fake_cell("all_reduce", 8, 4e-6),
-             ("all_reduce", 8, "mpi"): fake_cell("all_reduce", 8, 1e-6),
-             ("all_reduce", 8, "gloo"): fake_cell("all_reduce", 8, 300e-6)}
+    cells = {("all_reduce", 1 << 20, "rc_plain"): fake_cell(1e-3),
+             ("all_reduce", 1 << 20, "mpi"): fake_cell(2e-3),
+             ("all_reduce", 1 << 20, "gloo"): fake_cell(1e-4, wrong=5),  # fast but wrong
+             ("all_reduce", 1 << 20, "deepspeed"): fake_cell(4e-3),
+             ("all_reduce", 8, "rc_plain"): fake_cell(4e-6),
+             ("all_reduce", 8, "mpi"): fake_cell(1e-6),
+             ("all_reduce", 8, "gloo"): fake_cell(300e-6)}
     stats = summaries(cells, world_size=2)
     assert ratio(stats, "all_reduce", 1 << 20, "rc_plain") == (pytest.approx(2.0), "mpi")
     assert ratio(stats, "all_reduce", 8, "rc_plain") == (pytest.approx(0.25), "mpi")  # 8 B: times
