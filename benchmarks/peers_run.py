@@ -7,6 +7,7 @@ import importlib.metadata
 import os
 import platform
 import sys
+import time
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -96,6 +97,7 @@ def measure(args, handles: Handles, peers: list[str], rank: int, world_size: int
     Round r: every size x op x peer once; `busy` runs around each round."""
     cells: dict = {}
     for round_index in range(args.rounds):
+        start = time.monotonic()
         with busy():
             dist.barrier()
             for nbytes in args.sizes:
@@ -105,7 +107,7 @@ def measure(args, handles: Handles, peers: list[str], rank: int, world_size: int
                 _measure_size(args, handles, peers, cells, nbytes, round_index, rank, world_size)
         if rank == 0:
             phase = "contended" if contended else "quiet"
-            print(f"# {phase} round {round_index + 1}/{args.rounds} done", flush=True)
+            print(f"# {phase} round {round_index + 1}/{args.rounds} done in {time.monotonic() - start:.0f} s", flush=True)
     return cells
 
 
