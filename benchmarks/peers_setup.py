@@ -63,7 +63,8 @@ def mpirun_env() -> dict[str, str]:
 
 
 def run_bounded(command: list[str], env: dict[str, str], deadline_s: float) -> int:
-    """Runs command in its own process group; kills the whole group after deadline_s."""
+    """Runs command in a session of its own; after deadline_s (or on Ctrl-C)
+    kills it with all its descendants (the ranks) and its process group."""
     proc = subprocess.Popen(command, env=env, start_new_session=True)
     try:
         return proc.wait(timeout=deadline_s)
@@ -72,7 +73,9 @@ def run_bounded(command: list[str], env: dict[str, str], deadline_s: float) -> i
         return 1
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
 
 
