@@ -46,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("-f", "--stepfactor", type=int, default=None,
                    help="sizes -b, -b*f, ... <= -e (default: " + ",".join(DEFAULT_SIZES) + " within -b..-e)")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5; --quick 1)")
-    p.add_argument("--budget-ms", type=float, default=None, help="timed ms per cell per round (default 60; --quick 3)")
+    p.add_argument("--budget-ms", type=float, default=None, help="timed ms per cell per round (default 100; --quick 3)")
     p.add_argument("--max-iters", type=int, default=20000, help="most calls timed per cell per round")
     p.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of " + ",".join(OPS))
     p.add_argument("--peers", default=",".join(ALL_PEERS), help="comma-separated subset of " + ",".join(ALL_PEERS))
@@ -65,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.ops = _subset(p, "--ops", args.ops, OPS)
     args.peers = _subset(p, "--peers", args.peers, ALL_PEERS)
     args.rounds = args.rounds or (1 if args.quick else 5)
-    args.budget_s = (args.budget_ms or (3.0 if args.quick else 60.0)) / 1e3
+    args.budget_s = (args.budget_ms or (3.0 if args.quick else 100.0)) / 1e3
     if args.ds_build_timeout is None:
         args.ds_build_timeout = 0.0 if args.quick else 300.0
     args.sizes = sizes(args)
