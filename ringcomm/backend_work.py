@@ -9,7 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .ops import DTYPE_CODES, ReduceOp
+from .ops import DTYPE_CODES, DTYPE_CODES_BY_ID, ReduceOp
 from .work import Work, completed_future
 
 # [Note: finished works]
@@ -177,7 +177,7 @@ def accelerated_redop(opts: object) -> ReduceOp | None:
 def takes(tensor: torch.Tensor, supports: Callable[[torch.Tensor], bool]) -> bool:
     """The lean path's check of one tensor: dense, on the CPU, of a ringcomm dtype,
     contiguous, and taken by the transport (`supports`). Tens of ns per test."""
-    return (tensor.layout is torch.strided and tensor.is_cpu and tensor.dtype in DTYPE_CODES
+    return (tensor.layout is torch.strided and tensor.is_cpu and id(tensor.dtype) in DTYPE_CODES_BY_ID
             and tensor.is_contiguous() and supports(tensor))
 
 

@@ -16,31 +16,36 @@ import torch
 
 from . import _C, aliasing
 from .group import Group, resolve_group
-from .ops import DTYPE_CODES, ReduceOp, dtype_code, to_reduce_op
+from .ops import DTYPE_CODES, DTYPE_CODES_BY_ID, ReduceOp, dtype_code, to_reduce_op
 from .work import Work
 
 _Tensor = torch.Tensor
 
 
-def _lean_pair(output: object, input: object, big: torch.Tensor, small: torch.Tensor, rank: int,
-               world_size: int) -> int | None:
-    """The dtype code when (output, input) may take the lean path of
-    reduce_scatter/all_gather: `big` holds world_size chunks the size of
-    `small`, and they do not overlap unless `small` is chunk `rank` of `big`.
+def _lean_pair(output: object, input: object, rank: int, world_size: int, gather: bool) -> tuple | None:
+    """(dtype code, input pointer, output pointer, chunk numel) when (output,
+    input) of reduce_scatter (gather=False) or all_gather may take the lean
+    path: the big tensor holds world_size chunks the size of the small one, and
+    they do not overlap unless the small one is chunk `rank` of the big one.
     None sends the call down the checked path."""
     if type(output) is not _Tensor or type(input) is not _Tensor:
         return None
-    code = DTYPE_CODES.get(output.dtype)
-    if (code is None or input.dtype is not output.dtype or not (output.is_cpu and input.is_cpu)
+    dtype = output.dtype
+    code = DTYPE_CODES_BY_ID.get(id(dtype))
+    if (code is None or input.dtype is not dtype or not (output.is_cpu and input.is_cpu)
             or not (output.is_contiguous() and input.is_contiguous())):
         return None
-    small_nbytes = small.nbytes
-    if big.nbytes != world_size * small_nbytes:
+    big, small = (output, input) if gather else (input, output)
+    numel = small.numel()
+    if big.numel() != world_size * numel:
         return None
-    big_ptr, small_ptr = big.data_ptr(), small.data_ptr()
-    if small_ptr < big_ptr + world_size * small_nbytes and big_ptr < small_ptr + small_nbytes:
-        return code if small_ptr == big_ptr + rank * small_nbytes else None
-    return code
+    in_ptr, out_ptr = input.data_ptr(), output.data_ptr()
+    big_ptr, small_ptr = (out_ptr, in_ptr) if gather else (in_ptr, out_ptr)
+    chunk_nbytes = numel * small.element_size()
+    if small_ptr < big_ptr + world_size * chunk_nbytes and big_ptr < small_ptr + chunk_nbytes \
+            and small_ptr != big_ptr + rank * chunk_nbytes:
+        return None
+    return code, in_ptr, out_ptr, numel
 
 
 def _check(op: str, name: str, tensor: object, group: Group) -> None:
@@ -71,7 +76,7 @@ def all_reduce(tensor: torch.Tensor, op: object = ReduceOp.SUM, group: Group | N
         group = resolve_group(group, "all_reduce")
     handle = group.lean_handle
     if handle is not None and output is None and not async_op and type(op) is ReduceOp and type(tensor) is _Tensor:
-        code = DTYPE_CODES.get(tensor.dtype)
+        code = DTYPE_CODES_BY_ID.get(id(tensor.dtype))
         if code is not None and tensor.is_cpu and tensor.is_contiguous():
             ptr = tensor.data_ptr()
             try:
@@ -101,11 +106,11 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: object = Reduc
         group = resolve_group(group, "reduce_scatter")
     handle = group.lean_handle
     if handle is not None and not async_op and type(op) is ReduceOp:
-        code = _lean_pair(output, input, input, output, group.rank, group.world_size)
-        if code is not None:
+        lean = _lean_pair(output, input, group.rank, group.world_size, gather=False)
+        if lean is not None:
+            code, in_ptr, out_ptr, numel = lean
             try:
-                _C.reduce_scatter_lean(handle, input.data_ptr(), output.data_ptr(), output.numel(), code, op,
-                                       group.timeout_s)
+                _C.reduce_scatter_lean(handle, in_ptr, out_ptr, numel, code, op, group.timeout_s)
             except RuntimeError as err:
                 raise group.explain(err) from None
             return None
@@ -127,10 +132,11 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group | None = 
         group = resolve_group(group, "all_gather")
     handle = group.lean_handle
     if handle is not None and not async_op:
-        code = _lean_pair(output, input, output, input, group.rank, group.world_size)
-        if code is not None:
+        lean = _lean_pair(output, input, group.rank, group.world_size, gather=True)
+        if lean is not None:
+            code, in_ptr, out_ptr, numel = lean
             try:
-                _C.all_gather_lean(handle, input.data_ptr(), output.data_ptr(), input.numel(), code, group.timeout_s)
+                _C.all_gather_lean(handle, in_ptr, out_ptr, numel, code, group.timeout_s)
             except RuntimeError as err:
                 raise group.explain(err) from None
             return None

@@ -73,7 +73,11 @@ uint32_t* futex_word(const Flag& flag) {
   return reinterpret_cast<uint32_t*>(const_cast<std::atomic<uint64_t>*>(&flag.value));
 }
 
-int64_t thread_id() { return static_cast<int64_t>(syscall(SYS_gettid)); }
+// The kernel's id of the calling thread, asked once per thread (a system call).
+int64_t thread_id() {
+  thread_local const int64_t id = static_cast<int64_t>(syscall(SYS_gettid));
+  return id;
+}
 
 }  // namespace
 

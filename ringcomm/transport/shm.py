@@ -21,7 +21,7 @@ import torch.distributed as dist
 from .. import _C
 from . import rendezvous
 from .shm_names import expiry_of, new_name, remove_stale_segments
-from ..ops import DTYPE_CODES, ReduceOp
+from ..ops import DTYPE_CODES_BY_ID, ReduceOp
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,19 +133,19 @@ class ShmTransport:
         return tensor.is_cpu
 
     def all_reduce(self, input: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> None:
-        _C.all_reduce_lean(self.handle, input.data_ptr(), output.data_ptr(), input.numel(), DTYPE_CODES[input.dtype],
+        _C.all_reduce_lean(self.handle, input.data_ptr(), output.data_ptr(), input.numel(), DTYPE_CODES_BY_ID[id(input.dtype)],
                            op, self.timeout_s)
 
     def reduce_scatter(self, input: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> None:
         _C.reduce_scatter_lean(self.handle, input.data_ptr(), output.data_ptr(), output.numel(),
-                               DTYPE_CODES[input.dtype], op, self.timeout_s)
+                               DTYPE_CODES_BY_ID[id(input.dtype)], op, self.timeout_s)
 
     def all_gather(self, input: torch.Tensor, output: torch.Tensor) -> None:
-        _C.all_gather_lean(self.handle, input.data_ptr(), output.data_ptr(), input.numel(), DTYPE_CODES[input.dtype],
+        _C.all_gather_lean(self.handle, input.data_ptr(), output.data_ptr(), input.numel(), DTYPE_CODES_BY_ID[id(input.dtype)],
                            self.timeout_s)
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
-        code = DTYPE_CODES[tensor.dtype]
+        code = DTYPE_CODES_BY_ID[id(tensor.dtype)]
         self._comm.broadcast(tensor.data_ptr(), tensor.numel(), code, root, self.timeout_s)
 
     def barrier(self) -> None:
