@@ -24,7 +24,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bus_bw import parse_size  # noqa: E402
+from bus_bw import parse_size, sizes  # noqa: E402
 from launch import launch  # noqa: E402
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
@@ -53,14 +53,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if any(o not in OPS for o in args.ops) or args.nproc % args.hosts:
         p.error(f"--ops from {OPS}; --nproc must be a multiple of --hosts")
     return args
-
-
-def sizes(args: argparse.Namespace) -> list[int]:
-    out, size = [], args.minbytes
-    while size <= args.maxbytes:
-        out.append(size)
-        size *= args.stepfactor
-    return out
 
 
 def iterations(nbytes: int) -> int:
@@ -139,8 +131,6 @@ class Bench:
         return torch.empty(numel)
 
     def measure(self, op: str, nbytes: int, rounds: int) -> list[dict]:
-        import torch
-
         numel = max(self.world_size, nbytes // 4 // self.world_size * self.world_size)
         calls = {}
         for backend in BACKENDS:

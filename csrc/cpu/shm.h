@@ -140,6 +140,7 @@ class ShmComm {
   void sleep_on(int peer, const Flag& flag, uint64_t seen, const StepInfo& step);
   void publish(Flag& flag, uint64_t value);
   void check_usable(const char* op) const;
+  void barrier_round(const char* op, double timeout_s);
   StepInfo begin_op(const char* op, int64_t num_steps, double timeout_s) const;
 
   void all_reduce_oneshot(const char* in, char* out, const OpDesc& desc, StepInfo& step);

@@ -64,15 +64,9 @@ std::string ShmComm::setup_cma(double timeout_s) {
     peer_pids_[peer] = theirs->pid;
   }
   header(rank_)->cma_ok = reason.empty() ? 1 : 0;
-  const OpDesc desc = describe(OpKind::kBarrier, -1, -1, -1, 0, nullptr, 0, nullptr, 0);
-  StepInfo step = begin_op("setup_cma", 1, timeout_s);
-  acquire_slot(step);
-  post(&desc);
-  wait_posted(step);
-  check_descs(step, desc);
+  barrier_round("setup_cma", timeout_s);  // every rank's cma_ok is written now, and stays as it is
   for (int peer = 0; peer < world_size_ && reason.empty(); ++peer)
     if (header(peer)->cma_ok != 1) reason = "rank " + std::to_string(peer) + " cannot read its peers' memory";
-  release();
   cma_enabled_ = reason.empty() && world_size_ > 1;
   if (cma_enabled_) cma_pieces_.resize(static_cast<size_t>((world_size_ - 1) * kCmaPieceBytes));
   return reason;

@@ -204,8 +204,13 @@ void ShmComm::broadcast(uintptr_t buffer, int64_t numel, int dtype, int root, do
 
 void ShmComm::barrier(double timeout_s) {
   OpScope scope(caller_, "barrier", rank_);
+  barrier_round("barrier", timeout_s);
+}
+
+// One round with no data: every rank has posted everything it wrote before it.
+void ShmComm::barrier_round(const char* op, double timeout_s) {
   const OpDesc desc = describe(OpKind::kBarrier, -1, -1, -1, 0, nullptr, 0, nullptr, 0);
-  StepInfo step = begin_op("barrier", 1, timeout_s);
+  StepInfo step = begin_op(op, 1, timeout_s);
   acquire_slot(step);
   post(&desc);
   wait_posted(step);
