@@ -17,7 +17,8 @@ GLOO_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.AVG: dist.ReduceOp.SUM, Re
 # "shm" stages every plain tensor, "shm-cma" reads plain tensors of 128 bytes
 # and more from peers by cross-memory attach (single copy).
 SMALL_SHM = ringcomm.ShmOptions(slot_nbytes=256, num_slots=2, oneshot_max_nbytes=64, cma=False)
-SMALL_CMA = ringcomm.ShmOptions(slot_nbytes=256, num_slots=2, oneshot_max_nbytes=64, cma_min_nbytes=128)
+SMALL_CMA = ringcomm.ShmOptions(slot_nbytes=256, num_slots=2, oneshot_max_nbytes=64, cma_min_nbytes=128,
+                                cma_reduce_min_nbytes=128)
 SMALL_TORCH_DIST = ringcomm.TorchDistOptions(segment_nbytes=96)
 
 
@@ -188,11 +189,13 @@ def check_thresholds(rank, world_size):
     slot size), single copy by CMA (cma_min), with the default options and
     with tiny ones; the lean path and the checked path (async) agree with gloo."""
     defaults = ringcomm.ShmOptions()
-    tiny = ringcomm.ShmOptions(slot_nbytes=512, num_slots=2, oneshot_max_nbytes=128, cma_min_nbytes=256)
+    tiny = ringcomm.ShmOptions(slot_nbytes=512, num_slots=2, oneshot_max_nbytes=128, cma_min_nbytes=256,
+                               cma_reduce_min_nbytes=384)
     case = 0
     for options in (tiny, defaults):
         group = ringcomm.new_group(transport="shm", timeout=60, shm=options)
-        bounds = (options.oneshot_max_nbytes, options.cma_min_nbytes, options.slot_nbytes)
+        bounds = (options.oneshot_max_nbytes, options.cma_min_nbytes, options.cma_reduce_min_nbytes,
+                  options.slot_nbytes)
         for dtype, op in ((torch.float32, ReduceOp.SUM), (torch.bfloat16, ReduceOp.AVG), (torch.int64, ReduceOp.MAX)):
             esize = torch.empty(0, dtype=dtype).element_size()
             for bound in bounds:

@@ -154,9 +154,9 @@ def test_impossible_flag_value_is_a_clear_error(field):
 def make_cma_pair() -> tuple[_C.ShmComm, _C.ShmComm]:
     """Two ranks of one segment with cross-memory attach on for every size."""
     name = f"/ringcomm-test-{secrets.token_hex(8)}"
-    comm = _C.ShmComm(name, 0, 2, SLOT_NBYTES, NUM_SLOTS, 0, 0, True, cma_min_nbytes=0)
+    comm = _C.ShmComm(name, 0, 2, SLOT_NBYTES, NUM_SLOTS, 0, 0, True, cma_min_nbytes=0, cma_reduce_min_nbytes=0)
     try:
-        peer = _C.ShmComm(name, 1, 2, SLOT_NBYTES, NUM_SLOTS, 0, 0, False, cma_min_nbytes=0)
+        peer = _C.ShmComm(name, 1, 2, SLOT_NBYTES, NUM_SLOTS, 0, 0, False, cma_min_nbytes=0, cma_reduce_min_nbytes=0)
     finally:
         _C.ShmComm.unlink(name)
     reasons = []

@@ -49,8 +49,8 @@ void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp
 }
 
 ShmConfig make_config(int64_t slot_nbytes, int num_slots, int64_t oneshot_max_nbytes, int64_t spin_ns,
-                      int64_t cma_min_nbytes) {
-  return ShmConfig{slot_nbytes, num_slots, oneshot_max_nbytes, spin_ns, cma_min_nbytes};
+                      int64_t cma_min_nbytes, int64_t cma_reduce_min_nbytes) {
+  return ShmConfig{slot_nbytes, num_slots, oneshot_max_nbytes, spin_ns, cma_min_nbytes, cma_reduce_min_nbytes};
 }
 
 constexpr const char* kCommCapsule = "ringcomm.ShmComm";
@@ -155,16 +155,20 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<ShmComm>(m, "ShmComm")
       .def(py::init([](const std::string& name, int rank, int world_size, int64_t slot_nbytes, int num_slots,
-                       int64_t oneshot_max_nbytes, int64_t spin_ns, bool create, int64_t cma_min_nbytes) {
+                       int64_t oneshot_max_nbytes, int64_t spin_ns, bool create, int64_t cma_min_nbytes,
+                       int64_t cma_reduce_min_nbytes) {
              return new ShmComm(name, rank, world_size,
-                                make_config(slot_nbytes, num_slots, oneshot_max_nbytes, spin_ns, cma_min_nbytes), create);
+                                make_config(slot_nbytes, num_slots, oneshot_max_nbytes, spin_ns, cma_min_nbytes,
+                                            cma_reduce_min_nbytes),
+                                create);
            }),
            py::arg("name"), py::arg("rank"), py::arg("world_size"), py::arg("slot_nbytes"), py::arg("num_slots"),
-           py::arg("oneshot_max_nbytes"), py::arg("spin_ns"), py::arg("create"), py::arg("cma_min_nbytes") = -1)
+           py::arg("oneshot_max_nbytes"), py::arg("spin_ns"), py::arg("create"), py::arg("cma_min_nbytes") = -1,
+           py::arg("cma_reduce_min_nbytes") = -1)
       .def_static("unlink", &ShmComm::unlink, py::arg("name"))
       .def_static("segment_nbytes",
                   [](int world_size, int64_t slot_nbytes, int num_slots) {
-                    return ShmComm::segment_nbytes(world_size, make_config(slot_nbytes, num_slots, 0, 0, -1));
+                    return ShmComm::segment_nbytes(world_size, make_config(slot_nbytes, num_slots, 0, 0, -1, -1));
                   },
                   py::arg("world_size"), py::arg("slot_nbytes"), py::arg("num_slots"))
       .def("all_reduce", &ShmComm::all_reduce, py::arg("input"), py::arg("output"), py::arg("numel"), py::arg("dtype"),

@@ -55,7 +55,8 @@ struct ShmConfig {
   int num_slots;               // slots per rank; rounds can run this far ahead
   int64_t oneshot_max_nbytes;  // all-reduce of at most this many bytes: one round
   int64_t spin_ns;             // busy-wait this long before sleeping on the flag (futex)
-  int64_t cma_min_nbytes;      // plain buffers of at least this many bytes: single copy by CMA (-1: never)
+  int64_t cma_min_nbytes;         // all-gather / broadcast of plain buffers this big: single copy by CMA (-1: never)
+  int64_t cma_reduce_min_nbytes;  // ... and all-reduce / reduce-scatter (their CMA path reads through pieces)
 };
 
 // Where a wait is, for error messages: op, step within the op, deadline.

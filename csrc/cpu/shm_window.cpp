@@ -64,7 +64,10 @@ OpDesc ShmComm::describe(OpKind kind, int dtype, int redop, int root, int64_t nu
   const int64_t nbytes = in_nbytes > out_nbytes ? in_nbytes : out_nbytes;
   if (windows) {
     desc.access = static_cast<int32_t>(Access::kWindows);
-  } else if (cma_enabled_ && config_.cma_min_nbytes >= 0 && nbytes >= config_.cma_min_nbytes) {
+  } else if (const int64_t least = kind == OpKind::kAllReduce || kind == OpKind::kReduceScatter
+                                       ? config_.cma_reduce_min_nbytes
+                                       : config_.cma_min_nbytes;
+             cma_enabled_ && least >= 0 && nbytes >= least) {
     desc.access = static_cast<int32_t>(Access::kCma);
   }
   return desc;
