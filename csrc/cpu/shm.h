@@ -115,7 +115,6 @@ class ShmComm {
   void debug_post(const OpDesc& desc);
   void debug_store(const std::string& field, int64_t value);
 
-  std::atomic<int64_t>& caller() { return caller_; }
   int rank() const { return rank_; }
   int world_size() const { return world_size_; }
   uint64_t rounds() const { return seq_; }
