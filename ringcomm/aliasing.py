@@ -19,7 +19,7 @@ import torch
 def byte_span(tensor: torch.Tensor) -> tuple[int, int]:
     """[first, last) byte of a contiguous tensor."""
     start = tensor.data_ptr()
-    return start, start + tensor.numel() * tensor.element_size()
+    return start, start + tensor.nbytes
 
 
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -40,13 +40,15 @@ def all_reduce_input(input: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
 
 
 def reduce_scatter_input(output: torch.Tensor, input: torch.Tensor, rank: int) -> torch.Tensor:
-    in_place = same_memory(output, chunk(input, rank, output.numel()))
-    return input.clone() if overlaps(input, output) and not in_place else input
+    if not overlaps(input, output):  # the common case, tested first: no chunk view made
+        return input
+    return input if same_memory(output, chunk(input, rank, output.numel())) else input.clone()
 
 
 def all_gather_input(output: torch.Tensor, input: torch.Tensor, rank: int) -> torch.Tensor:
-    in_place = same_memory(input, chunk(output, rank, input.numel()))
-    return input.clone() if overlaps(input, output) and not in_place else input
+    if not overlaps(input, output):
+        return input
+    return input if same_memory(input, chunk(output, rank, input.numel())) else input.clone()
 
 
 def coalesced_inputs(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], rank: int, *,

@@ -1,6 +1,6 @@
 """The bodies of the collectives the "ringcomm" backend accelerates: each builder
 checks nothing and returns a closure that runs the call on a transport (the
-process group has already checked the tensors); and the lean path's checks of
+process group has already checked the tensors); and the lean path's check of
 one (output, input) pair."""
 from __future__ import annotations
 
@@ -96,23 +96,6 @@ def lean_pair(big: torch.Tensor, small: torch.Tensor, world_size: int,
     pass `takes`, share a dtype, and `big` holds world_size times `small`."""
     return (big.dtype is small.dtype and takes(big, supports) and takes(small, supports)
             and big.numel() == world_size * small.numel())
-
-
-def gather_input(output: torch.Tensor, input: torch.Tensor, rank: int) -> torch.Tensor:
-    """all_gather's input as the transport may read it: a copy only where it
-    overlaps the output other than as chunk `rank` (see ringcomm.aliasing)."""
-    return aliasing.all_gather_input(output, input, rank) if _overlap(output, input) else input
-
-
-def scatter_input(output: torch.Tensor, input: torch.Tensor, rank: int) -> torch.Tensor:
-    """reduce_scatter's input as the transport may read it (see gather_input)."""
-    return aliasing.reduce_scatter_input(output, input, rank) if _overlap(output, input) else input
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two contiguous tensors share a byte: a cheaper first test than aliasing's."""
-    a_start, b_start = a.data_ptr(), b.data_ptr()
-    return a_start < b_start + b.nbytes and b_start < a_start + a.nbytes
 
 
 # ---- checks of the caller's arguments ----

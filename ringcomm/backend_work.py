@@ -9,7 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .ops import DTYPE_CODES, DTYPE_CODES_BY_ID, ReduceOp
+from .ops import DTYPE_CODES, DTYPE_CODES_BY_ID, TORCH_OPS, ReduceOp
 from .work import Work, completed_future
 
 # [Note: finished works]
@@ -157,18 +157,12 @@ def wait_forwarded(work: dist.Work, op: str, rank: int, timeout_s: float) -> Non
                            f"{err}") from err
 
 
-# torch's reduce ops ringcomm does, most used first (see accelerated_redop)
-_REDUCE_OPS = ((dist.ReduceOp.SUM, ReduceOp.SUM), (dist.ReduceOp.AVG, ReduceOp.AVG),
-               (dist.ReduceOp.MAX, ReduceOp.MAX), (dist.ReduceOp.MIN, ReduceOp.MIN),
-               (dist.ReduceOp.PRODUCT, ReduceOp.PRODUCT))
-
-
 def accelerated_redop(opts: object) -> ReduceOp | None:
     """ringcomm's op for `opts.reduceOp`, or None when ringcomm does not do it
     (PREMUL_SUM, BAND, ...): such calls are forwarded. Compares, as hashing
     torch's op is slow (see [Note: finished works])."""
     torch_op = getattr(opts, "reduceOp", dist.ReduceOp.SUM)
-    for torch_type, ours in _REDUCE_OPS:
+    for torch_type, ours in TORCH_OPS:
         if torch_op == torch_type:
             return ours
     return None

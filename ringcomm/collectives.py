@@ -26,7 +26,8 @@ def _lean_pair(output: object, input: object, rank: int, world_size: int, gather
     """(dtype code, input pointer, output pointer, chunk numel) when (output,
     input) of reduce_scatter (gather=False) or all_gather may take the lean
     path: the big tensor holds world_size chunks the size of the small one, and
-    they do not overlap unless the small one is chunk `rank` of the big one.
+    they do not overlap unless the small one is chunk `rank` of the big one
+    (ringcomm.aliasing's rule, here on the pointers this path reads anyway).
     None sends the call down the checked path."""
     if type(output) is not _Tensor or type(input) is not _Tensor:
         return None

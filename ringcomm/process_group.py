@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions
 
-from . import backend_ops
+from . import aliasing, backend_ops
 from .backend_work import (accelerated_redop, accelerates, backend_work, finished_work, is_async, on_cuda, takes,
                            use_comm_thread, wait_forwarded)
 from .group import GroupOptions, create_group
@@ -130,7 +130,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> dist.Work:
         if (isinstance(opts, AllgatherOptions)
                 and backend_ops.lean_pair(output, input, self._world_size, self._supports)):
-            input = backend_ops.gather_input(output, input, self._rank)
+            input = aliasing.all_gather_input(output, input, self._rank)
             fn = partial(self._transport.all_gather, input, output)
             return self._run_lean("all_gather_single", fn, opts, [output])
         return self.all_gather_single_coalesced([output], [input], opts)
@@ -160,7 +160,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                 and backend_ops.lean_pair(input, output, self._world_size, self._supports)):
             redop = accelerated_redop(opts)
             if redop is not None:
-                input = backend_ops.scatter_input(output, input, self._rank)
+                input = aliasing.reduce_scatter_input(output, input, self._rank)
                 fn = partial(self._transport.reduce_scatter, input, output, redop)
                 return self._run_lean("reduce_scatter_single", fn, opts, [output])
         return self.reduce_scatter_single_coalesced([output], [input], opts)

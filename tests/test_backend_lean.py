@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions
 
 import ringcomm  # noqa: F401  (registers the backend)
-from ringcomm import backend_ops
+from ringcomm import aliasing, backend_ops
 from ringcomm.backend_work import BackendWork, FinishedWork, accelerated_redop, takes
 from ringcomm.ops import ReduceOp
 from ringcomm.process_group import ProcessGroupRingcomm
@@ -143,12 +143,12 @@ def test_lean_inputs_are_copied_exactly_when_they_overlap() -> None:
     buffer = torch.arange(40.0)
     output = buffer[0:40]
     own, straddling, outside = buffer[20:30], buffer[15:25], torch.zeros(10)
-    assert backend_ops.gather_input(output, own, rank=2) is own  # in place: chunk `rank` of the output
-    assert backend_ops.gather_input(output, outside, rank=1) is outside
-    copied = backend_ops.gather_input(output, straddling, rank=1)
+    assert aliasing.all_gather_input(output, own, rank=2) is own  # in place: chunk `rank` of the output
+    assert aliasing.all_gather_input(output, outside, rank=1) is outside
+    copied = aliasing.all_gather_input(output, straddling, rank=1)
     assert copied.data_ptr() != straddling.data_ptr() and torch.equal(copied, straddling)
-    assert backend_ops.scatter_input(own, output, rank=2) is output  # in place: the output is chunk `rank`
-    assert backend_ops.scatter_input(own, output, rank=1).data_ptr() != output.data_ptr()
-    assert backend_ops.scatter_input(torch.zeros(10), output, rank=1) is output
-    assert not backend_ops._overlap(buffer[0:10], buffer[10:20]) and backend_ops._overlap(buffer[0:11], buffer[10:20])
-    assert not backend_ops._overlap(buffer[0:0], buffer[0:10])  # an empty tensor overlaps nothing
+    assert aliasing.reduce_scatter_input(own, output, rank=2) is output  # in place: the output is chunk `rank`
+    assert aliasing.reduce_scatter_input(own, output, rank=1).data_ptr() != output.data_ptr()
+    assert aliasing.reduce_scatter_input(torch.zeros(10), output, rank=1) is output
+    assert not aliasing.overlaps(buffer[0:10], buffer[10:20]) and aliasing.overlaps(buffer[0:11], buffer[10:20])
+    assert not aliasing.overlaps(buffer[0:0], buffer[0:10])  # an empty tensor overlaps nothing

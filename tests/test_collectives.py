@@ -89,25 +89,31 @@ def check_against_gloo(rank, world_size, transport):
                 assert torch.equal(source, data), "reduce_scatter modified its input " + what
                 ringcomm.reduce_scatter(source[own], source, op, group=group)
                 assert_close(source[own], expected_full[own], "reduce_scatter in place " + what)
-            # all_gather and broadcast move bytes: exact, once per dtype and size
-            for numel in sizes(world_size):
-                case += 1
-                what = f"rank {rank} {transport} {dtype} numel={numel}"
-                mine = random_data(numel, dtype, ReduceOp.SUM, rank, case)
-                expected = torch.empty(numel * world_size, dtype=dtype)
-                dist.all_gather_into_tensor(expected, mine)
-                gathered = torch.empty(numel * world_size, dtype=dtype)
-                ringcomm.all_gather(gathered, mine, group=group)
-                assert torch.equal(gathered, expected), "all_gather " + what
-                in_place = torch.zeros(numel * world_size, dtype=dtype)
-                in_place[rank * numel:(rank + 1) * numel] = mine
-                ringcomm.all_gather(in_place, in_place[rank * numel:(rank + 1) * numel], group=group)
-                assert torch.equal(in_place, expected), "all_gather in place " + what
-                root = case % world_size
-                shared = mine.clone()
-                ringcomm.broadcast(shared, src=root, group=group)
-                assert torch.equal(shared, expected[root * numel:(root + 1) * numel]), f"broadcast root {root} " + what
+            case = check_moves(group, rank, world_size, dtype, case, sizes(world_size), transport)
     ringcomm.barrier(group=group)
+
+
+def check_moves(group, rank, world_size, dtype, case, numels, label) -> int:
+    """all_gather (out of place and in place) and broadcast move bytes: exact
+    against gloo, once per size. Returns the last case number used."""
+    for numel in numels:
+        case += 1
+        what = f"rank {rank} {label} {dtype} numel={numel}"
+        mine = random_data(numel, dtype, ReduceOp.SUM, rank, case)
+        expected = torch.empty(numel * world_size, dtype=dtype)
+        dist.all_gather_into_tensor(expected, mine)
+        gathered = torch.empty(numel * world_size, dtype=dtype)
+        ringcomm.all_gather(gathered, mine, group=group)
+        assert torch.equal(gathered, expected), "all_gather " + what
+        in_place = torch.zeros(numel * world_size, dtype=dtype)
+        in_place[rank * numel:(rank + 1) * numel] = mine
+        ringcomm.all_gather(in_place, in_place[rank * numel:(rank + 1) * numel], group=group)
+        assert torch.equal(in_place, expected), "all_gather in place " + what
+        root = case % world_size
+        shared = mine.clone()
+        ringcomm.broadcast(shared, src=root, group=group)
+        assert torch.equal(shared, expected[root * numel:(root + 1) * numel]), f"broadcast root {root} " + what
+    return case
 
 
 def check_closed_form(rank, world_size, transport):

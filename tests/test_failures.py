@@ -49,9 +49,10 @@ def check_bad_input(rank, world_size, transport):
         assert torch.all(y == world_size), f"rank {rank}: group unusable after a mismatch"
 
 
-def die_during_all_reduce(rank, world_size, transport):
-    group = ringcomm.new_group(transport=transport, timeout=TIMEOUT_S)
-    big = torch.ones(16 << 20)  # 64 MiB, many segments
+def killed_in_all_reduce(rank: int, group: ringcomm.Group, numel: int) -> tuple[str, float]:
+    """Rank 1 starts an all-reduce of `numel` floats and is killed inside it; the
+    other ranks call all_reduce until it raises. Returns (its message, seconds)."""
+    big = torch.ones(numel)
     ringcomm.barrier(group=group)
     if rank == 1:
         ringcomm.all_reduce(big, group=group, async_op=True)
@@ -61,8 +62,12 @@ def die_during_all_reduce(rank, world_size, transport):
     with pytest.raises(RuntimeError) as info:
         for _ in range(100):
             ringcomm.all_reduce(big, group=group)
-    elapsed = time.monotonic() - start
-    message = str(info.value)
+    return str(info.value), time.monotonic() - start
+
+
+def die_during_all_reduce(rank, world_size, transport):
+    group = ringcomm.new_group(transport=transport, timeout=TIMEOUT_S)
+    message, elapsed = killed_in_all_reduce(rank, group, 16 << 20)  # 64 MiB, many segments
     assert "rank 1" in message and "all_reduce" in message, message
     assert elapsed < 2 * TIMEOUT_S, f"rank {rank} took {elapsed:.1f} s to notice: {message}"
     return message

@@ -3,8 +3,6 @@ torch.distributed gloo on the same random data; auto's choice; a dead peer."""
 from __future__ import annotations
 
 import os
-import signal
-import time
 
 import pytest
 import torch
@@ -13,7 +11,9 @@ import torch.distributed as dist
 import ringcomm
 from harness import run_ranks
 from ringcomm import ReduceOp
-from test_collectives import DTYPES, SMALL_CMA, SMALL_TORCH_DIST, assert_close, gloo_reduce, random_data
+from test_collectives import (DTYPES, SMALL_CMA, SMALL_TORCH_DIST, assert_close, check_moves, gloo_reduce,
+                              random_data)
+from test_failures import killed_in_all_reduce
 
 HOST_MAJOR = ("a", "a", "b", "b")
 INTERLEAVED = ("a", "b", "a", "b")
@@ -55,27 +55,6 @@ def check_reductions(group, rank, world_size, dtype, op, case):
     return case
 
 
-def check_moves(group, rank, world_size, dtype, case):
-    for numel in CHUNK_NUMELS:
-        case += 1
-        what = f"rank {rank} {group.transport.kind} {dtype} numel={numel}"
-        mine = random_data(numel, dtype, ReduceOp.SUM, rank, case)
-        expected = torch.empty(numel * world_size, dtype=dtype)
-        dist.all_gather_into_tensor(expected, mine)
-        gathered = torch.empty(numel * world_size, dtype=dtype)
-        ringcomm.all_gather(gathered, mine, group=group)
-        assert torch.equal(gathered, expected), "all_gather " + what
-        in_place = torch.zeros(numel * world_size, dtype=dtype)
-        in_place[rank * numel:(rank + 1) * numel] = mine
-        ringcomm.all_gather(in_place, in_place[rank * numel:(rank + 1) * numel], group=group)
-        assert torch.equal(in_place, expected), "all_gather in place " + what
-        root = case % world_size
-        shared = mine.clone()
-        ringcomm.broadcast(shared, src=root, group=group)
-        assert torch.equal(shared, expected[root * numel:(root + 1) * numel]), f"broadcast root {root} " + what
-    return case
-
-
 def check_against_gloo(rank, world_size, hosts, kind, description, dtypes):
     group = hierarchical_group(rank, hosts)
     assert group.transport.kind == kind, f"rank {rank}: {group!r}"
@@ -84,7 +63,7 @@ def check_against_gloo(rank, world_size, hosts, kind, description, dtypes):
     for dtype in dtypes:
         for op in ReduceOp:
             case = check_reductions(group, rank, world_size, dtype, op, case)
-        case = check_moves(group, rank, world_size, dtype, case)
+        case = check_moves(group, rank, world_size, dtype, case, CHUNK_NUMELS, group.transport.kind)
     ringcomm.barrier(group=group)
     check_windows(group, rank, world_size, case)
     group.close()
@@ -159,18 +138,7 @@ TIMEOUT_S = 3.0
 
 def die_during_all_reduce(rank, world_size, hosts):
     group = hierarchical_group(rank, hosts, timeout=TIMEOUT_S)
-    big = torch.ones(8 << 20)  # 32 MiB: many segments on both levels
-    ringcomm.barrier(group=group)
-    if rank == 1:
-        ringcomm.all_reduce(big, group=group, async_op=True)
-        time.sleep(0.005)
-        os.kill(os.getpid(), signal.SIGKILL)
-    start = time.monotonic()
-    with pytest.raises(RuntimeError) as info:
-        for _ in range(100):
-            ringcomm.all_reduce(big, group=group)
-    elapsed = time.monotonic() - start
-    message = str(info.value)
+    message, elapsed = killed_in_all_reduce(rank, group, 8 << 20)  # 32 MiB: many segments on both levels
     assert f"all_reduce: rank {rank} " in message and "at step" in message, message
     assert elapsed < 3 * TIMEOUT_S, f"rank {rank} took {elapsed:.1f} s to notice: {message}"
     return message
