@@ -193,8 +193,9 @@ def piece_rows(pg) -> list[tuple[str, int, str, Callable]]:
             ("piece", 0, "dist.AllreduceOptions() + 2 sets", lambda: (dist.AllreduceOptions(),)),
             ("piece", 0, "accelerated_redop(opts)", lambda: accelerated_redop(opts)),
             ("piece", 0, "pg._accelerates([t], strided=True)", lambda: pg._accelerates(tensors, strided=True)),
-            ("piece", 0, "takes(t) (the lean check)",
+            ("piece", 0, "takes(t) (broadcast's lean check)",
              lambda: backend_work.takes(t, pg._supports) if hasattr(backend_work, "takes") else None),
+            ("piece", 0, "C++ lean checks of a pair (sizes refused)", lean_pair_checks(pg)),
             ("piece", 0, "backend_ops.all_reduce closure",
              lambda: backend_ops.all_reduce(pg._group.transport, tensors, ReduceOp.SUM)
              if hasattr(backend_ops, "all_reduce") else None),
@@ -202,6 +203,19 @@ def piece_rows(pg) -> list[tuple[str, int, str, Callable]]:
             ("piece", 0, "t.is_contiguous()+dtype+device checks",
              lambda: t.is_contiguous() and t.dtype is torch.float32 and t.device.type == "cpu"),
             ("piece", 0, "empty Python call", noop)]
+
+
+def lean_pair_checks(pg) -> Callable[[], object]:
+    """_C.reduce_scatter_tensors on a pair whose sizes do not match: every
+    check of both tensors, then False before any collective."""
+    import torch
+
+    from ringcomm import _C
+
+    handle, big, small = pg._group.lean_handle, torch.ones(3 * pg.size()), torch.ones(2)
+    if not hasattr(_C, "reduce_scatter_tensors") or handle is None:
+        return lambda: None
+    return lambda: _C.reduce_scatter_tensors(handle, small, big, 0, 10.0)
 
 
 def worker(args: argparse.Namespace) -> None:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from . import aliasing
-from .backend_work import JoinedWork, takes
+from .backend_work import JoinedWork
 from .ops import ReduceOp
 from .transport.base import Transport
 
@@ -87,15 +87,6 @@ def reduce_scatter_list(transport: Transport, output: torch.Tensor, inputs: Sequ
         transport.reduce_scatter(torch.cat([t.reshape(-1) for t in inputs]), output, op)
 
     return body
-
-
-# ---- the lean path of one (output, input) pair (see [Note: finished works]) ----
-def lean_pair(big: torch.Tensor, small: torch.Tensor, world_size: int,
-              supports: Callable[[torch.Tensor], bool]) -> bool:
-    """all_gather (output, input) or reduce_scatter (input, output): both tensors
-    pass `takes`, share a dtype, and `big` holds world_size times `small`."""
-    return (big.dtype is small.dtype and takes(big, supports) and takes(small, supports)
-            and big.numel() == world_size * small.numel())
 
 
 # ---- checks of the caller's arguments ----

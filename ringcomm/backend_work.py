@@ -24,6 +24,9 @@ from .work import Work, completed_future
 # a finished Work 0.7 us (2.9 with its Future made at once), accelerated_redop
 # 0.8 us (reading opts.reduceOp copies the C++ ReduceOp; compare it, never hash
 # it: hashing its RedOpType costs ~1.5 us), takes() 0.6 us, Group.run 0.9 us.
+# allreduce, all_gather_single and reduce_scatter_single run through
+# ringcomm.collectives' lean path ([Note: lean path]), whose checks are C++:
+# ~0.5 us a tensor, most of it torch's own attribute getters.
 
 
 class FinishedWork(dist.Work):

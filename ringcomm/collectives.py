@@ -5,9 +5,9 @@ to the group's transport (inline, or on its comm thread with async_op=True).
 itself, not a subclass) that are contiguous, of a ringcomm dtype, sized
 consistently and not overlapping other than in the exact in-place forms,
 on a group whose transport has lean calls and nothing queued, goes straight to
-the C++ op: a few attribute reads and one call (csrc/cpu/module.cpp, [Note:
-lean calls]). Every other call takes the checked path below it, which raises
-the errors. The C++ op still checks, across ranks, that all called the same
+the C++ op: one call, which checks the tensors itself (csrc/cpu/module_lean.cpp,
+[Note: lean calls]) and says whether it ran. Every other call takes the checked
+path below it, which raises the errors. The C++ op still checks, across ranks, that all called the same
 op, dtype and size, and that one thread at a time uses the group.
 """
 from __future__ import annotations
@@ -16,37 +16,47 @@ import torch
 
 from . import _C, aliasing
 from .group import Group, resolve_group
-from .ops import DTYPE_CODES, DTYPE_CODES_BY_ID, ReduceOp, dtype_code, to_reduce_op
+from .ops import DTYPE_CODES, ReduceOp, dtype_code, to_reduce_op
 from .work import Work
 
-_Tensor = torch.Tensor
 
 
-def _lean_pair(output: object, input: object, rank: int, world_size: int, gather: bool) -> tuple | None:
-    """(dtype code, input pointer, output pointer, chunk numel) when (output,
-    input) of reduce_scatter (gather=False) or all_gather may take the lean
-    path: the big tensor holds world_size chunks the size of the small one, and
-    they do not overlap unless the small one is chunk `rank` of the big one
-    (ringcomm.aliasing's rule, here on the pointers this path reads anyway).
-    None sends the call down the checked path."""
-    if type(output) is not _Tensor or type(input) is not _Tensor:
-        return None
-    dtype = output.dtype
-    code = DTYPE_CODES_BY_ID.get(id(dtype))
-    if (code is None or input.dtype is not dtype or not (output.is_cpu and input.is_cpu)
-            or not (output.is_contiguous() and input.is_contiguous())):
-        return None
-    big, small = (output, input) if gather else (input, output)
-    numel = small.numel()
-    if big.numel() != world_size * numel:
-        return None
-    in_ptr, out_ptr = input.data_ptr(), output.data_ptr()
-    big_ptr, small_ptr = (out_ptr, in_ptr) if gather else (in_ptr, out_ptr)
-    chunk_nbytes = numel * small.element_size()
-    if small_ptr < big_ptr + world_size * chunk_nbytes and big_ptr < small_ptr + chunk_nbytes \
-            and small_ptr != big_ptr + rank * chunk_nbytes:
-        return None
-    return code, in_ptr, out_ptr, numel
+# ---- the lean path: see [Note: lean path]. Each returns whether the call ran. ----
+_C._lean_setup(torch.Tensor, torch.strided, DTYPE_CODES)
+
+
+def lean_all_reduce(tensor: object, op: ReduceOp, group: Group) -> bool:
+    """In place: `tensor` becomes its reduction over the group, here and now,
+    when the call may take the lean path; False sends it down the checked one."""
+    handle = group.lean_handle
+    if handle is None:
+        return False
+    try:
+        return _C.all_reduce_tensor(handle, tensor, op, group.timeout_s)
+    except RuntimeError as err:
+        raise group.explain(err) from None
+
+
+def lean_reduce_scatter(output: object, input: object, op: ReduceOp, group: Group) -> bool:
+    """reduce_scatter (torch's reduce_scatter_tensor) on the lean path, if it may take it."""
+    handle = group.lean_handle
+    if handle is None:
+        return False
+    try:
+        return _C.reduce_scatter_tensors(handle, output, input, op, group.timeout_s)
+    except RuntimeError as err:
+        raise group.explain(err) from None
+
+
+def lean_all_gather(output: object, input: object, group: Group) -> bool:
+    """all_gather (torch's all_gather_into_tensor) on the lean path, if it may take it."""
+    handle = group.lean_handle
+    if handle is None:
+        return False
+    try:
+        return _C.all_gather_tensors(handle, output, input, group.timeout_s)
+    except RuntimeError as err:
+        raise group.explain(err) from None
 
 
 def _check(op: str, name: str, tensor: object, group: Group) -> None:
@@ -75,16 +85,8 @@ def all_reduce(tensor: torch.Tensor, op: object = ReduceOp.SUM, group: Group | N
     reduction of `tensor` over all ranks."""
     if type(group) is not Group:
         group = resolve_group(group, "all_reduce")
-    handle = group.lean_handle
-    if handle is not None and output is None and not async_op and type(op) is ReduceOp and type(tensor) is _Tensor:
-        code = DTYPE_CODES_BY_ID.get(id(tensor.dtype))
-        if code is not None and tensor.is_cpu and tensor.is_contiguous():
-            ptr = tensor.data_ptr()
-            try:
-                _C.all_reduce_lean(handle, ptr, ptr, tensor.numel(), code, op, group.timeout_s)
-            except RuntimeError as err:
-                raise group.explain(err) from None
-            return None
+    if output is None and not async_op and type(op) is ReduceOp and lean_all_reduce(tensor, op, group):
+        return None
     redop = op if type(op) is ReduceOp else to_reduce_op(op, where=f"all_reduce on rank {group.rank}")
     _check("all_reduce", "tensor", tensor, group)
     if output is None:
@@ -105,16 +107,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: object = Reduc
     elements; rank r's output becomes chunk r reduced over all ranks."""
     if type(group) is not Group:
         group = resolve_group(group, "reduce_scatter")
-    handle = group.lean_handle
-    if handle is not None and not async_op and type(op) is ReduceOp:
-        lean = _lean_pair(output, input, group.rank, group.world_size, gather=False)
-        if lean is not None:
-            code, in_ptr, out_ptr, numel = lean
-            try:
-                _C.reduce_scatter_lean(handle, in_ptr, out_ptr, numel, code, op, group.timeout_s)
-            except RuntimeError as err:
-                raise group.explain(err) from None
-            return None
+    if not async_op and type(op) is ReduceOp and lean_reduce_scatter(output, input, op, group):
+        return None
     redop = op if type(op) is ReduceOp else to_reduce_op(op, where=f"reduce_scatter on rank {group.rank}")
     _check("reduce_scatter", "output", output, group)
     _check("reduce_scatter", "input", input, group)
@@ -131,16 +125,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group | None = 
     """torch's all_gather_into_tensor: output chunk r becomes rank r's input."""
     if type(group) is not Group:
         group = resolve_group(group, "all_gather")
-    handle = group.lean_handle
-    if handle is not None and not async_op:
-        lean = _lean_pair(output, input, group.rank, group.world_size, gather=True)
-        if lean is not None:
-            code, in_ptr, out_ptr, numel = lean
-            try:
-                _C.all_gather_lean(handle, in_ptr, out_ptr, numel, code, group.timeout_s)
-            except RuntimeError as err:
-                raise group.explain(err) from None
-            return None
+    if not async_op and lean_all_gather(output, input, group):
+        return None
     _check("all_gather", "output", output, group)
     _check("all_gather", "input", input, group)
     _check_pair("all_gather", output, input, group)

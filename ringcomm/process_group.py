@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions
 
-from . import aliasing, backend_ops
+from . import backend_ops, collectives
 from .backend_work import (accelerated_redop, accelerates, backend_work, finished_work, is_async, on_cuda, takes,
                            use_comm_thread, wait_forwarded)
 from .group import GroupOptions, create_group
@@ -24,11 +24,13 @@ STORE_PREFIX = "ringcomm-backend/"
 #   allreduce(+_coalesced), broadcast, allgather, all_gather_single(+_coalesced),
 #   reduce_scatter, reduce_scatter_single(+_coalesced), barrier -> ringcomm transport.
 #   One dense contiguous tensor (allreduce, broadcast) or pair (all_gather_single,
-#   reduce_scatter_single) with torch's options takes the lean path: a few
-#   attribute tests, then straight to the transport: inline without Group.run
-#   when the group takes lean calls (nothing queued; the transport checks that
-#   one thread at a time calls it), else through Group.run (see [Note: finished
-#   works] in backend_work.py); anything else the general path checks.
+#   reduce_scatter_single) with torch's options, in a call that runs inline,
+#   takes the lean path: straight to the transport without Group.run when the
+#   group takes lean calls (nothing queued; the transport checks that one thread
+#   at a time calls it). allreduce and the pairs take ringcomm.collectives' own
+#   lean path ([Note: lean path]), broadcast takes() and _run_lean. Their Works
+#   are FinishedWorks ([Note: finished works] in backend_work.py); any other
+#   call goes the general path, which checks it.
 # Forwarded collectives (gather, scatter, reduce, all_to_all, allgather_coalesced,
 # and accelerated ones whose tensors ringcomm does not take) -> internal gloo, but
 # run through the ringcomm group like its own calls (Group.run), so that every
@@ -89,11 +91,10 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 
     # ---- accelerated collectives ----
     def allreduce(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
-        if isinstance(opts, dist.AllreduceOptions) and len(tensors) == 1 and takes(tensors[0], self._supports):
+        if isinstance(opts, dist.AllreduceOptions) and len(tensors) == 1 and self._may_run_lean(opts):
             redop = accelerated_redop(opts)
-            if redop is not None:  # the lean path: see [Note: finished works]
-                fn = partial(self._transport.all_reduce, tensors[0], tensors[0], redop)
-                return self._run_lean("allreduce", fn, opts, tensors)
+            if redop is not None and collectives.lean_all_reduce(tensors[0], redop, self._group):
+                return finished_work(tensors)
         opts = opts or dist.AllreduceOptions()
         redop = accelerated_redop(opts)
         if redop is None or not self._accelerates(tensors, strided=True):
@@ -128,11 +129,9 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         return self._run("allgather", fn, opts, output_lists[0])
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> dist.Work:
-        if (isinstance(opts, AllgatherOptions)
-                and backend_ops.lean_pair(output, input, self._world_size, self._supports)):
-            input = aliasing.all_gather_input(output, input, self._rank)
-            fn = partial(self._transport.all_gather, input, output)
-            return self._run_lean("all_gather_single", fn, opts, [output])
+        if (isinstance(opts, AllgatherOptions) and self._may_run_lean(opts)
+                and collectives.lean_all_gather(output, input, self._group)):
+            return finished_work([output])
         return self.all_gather_single_coalesced([output], [input], opts)
 
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
@@ -156,13 +155,10 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         return self._run("reduce_scatter", fn, opts, outputs)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> dist.Work:
-        if (isinstance(opts, dist.ReduceScatterOptions)
-                and backend_ops.lean_pair(input, output, self._world_size, self._supports)):
+        if isinstance(opts, dist.ReduceScatterOptions) and self._may_run_lean(opts):
             redop = accelerated_redop(opts)
-            if redop is not None:
-                input = aliasing.reduce_scatter_input(output, input, self._rank)
-                fn = partial(self._transport.reduce_scatter, input, output, redop)
-                return self._run_lean("reduce_scatter_single", fn, opts, [output])
+            if redop is not None and collectives.lean_reduce_scatter(output, input, redop, self._group):
+                return finished_work([output])
         return self.reduce_scatter_single_coalesced([output], [input], opts)
 
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
@@ -242,11 +238,17 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         Inline, the Work is a FinishedWork (see [Note: finished works])."""
         return backend_work(self._group.run(op, fn, self._comm_thread and is_async(opts)), value)
 
+    def _may_run_lean(self, opts: object) -> bool:
+        """Whether a call with these options runs inline (see [Note: async calls]),
+        so it may take ringcomm.collectives' lean path ([Note: lean path]); that
+        path runs it only when the group takes lean calls (nothing queued)."""
+        return not (self._comm_thread and opts.asyncOp)
+
     def _run_lean(self, op: str, fn: Callable[[], None], opts: object, value: object) -> dist.Work:
         """_run for a transport call of the lean path: when it would run inline
         and the group takes lean calls, it runs here without Group.run's lock."""
         group = self._group
-        if group.lean_handle is None or (self._comm_thread and is_async(opts)):
+        if group.lean_handle is None or not self._may_run_lean(opts):
             return self._run(op, fn, opts, value)
         try:
             fn()

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions
 
 import ringcomm  # noqa: F401  (registers the backend)
-from ringcomm import aliasing, backend_ops
+from ringcomm import _C, aliasing, collectives
 from ringcomm.backend_work import BackendWork, FinishedWork, accelerated_redop, takes
 from ringcomm.ops import ReduceOp
 from ringcomm.process_group import ProcessGroupRingcomm
@@ -82,7 +82,9 @@ def test_lean_call_failures_reach_every_reader(group, monkeypatch) -> None:
     wait, is_success, exception, and the future for Python and C++ readers."""
     transport = group._group.transport
     for name in ("all_reduce", "broadcast", "all_gather", "reduce_scatter"):
-        monkeypatch.setattr(transport, name, fail)
+        monkeypatch.setattr(transport, name, fail)  # the general path and the comm thread
+    for name in ("all_reduce_tensor", "reduce_scatter_tensors", "all_gather_tensors"):
+        monkeypatch.setattr(_C, name, fail)  # the lean path: collectives.lean_*
     thread = group._comm_thread
     for async_op in (False, True):
         for op, (call, _) in lean_calls(group, async_op).items():
@@ -105,25 +107,52 @@ def test_lean_call_failures_reach_every_reader(group, monkeypatch) -> None:
     assert torch.equal(tensor, torch.ones(3))
 
 
-def test_lean_check_refuses_what_the_general_path_must_do() -> None:
+def test_lean_check_refuses_what_the_general_path_must_do(group) -> None:
+    """The lean checks (C++ for ringcomm.collectives, takes() for broadcast) run
+    only plain dense contiguous CPU tensors of a ringcomm dtype, and pairs of
+    matching size that overlap only in place; any other call does nothing
+    there and returns False, for the checked path to handle or refuse."""
     def cpu(t):
         return t.is_cpu
 
+    handle, sum_ = group._group.lean_handle, ReduceOp.SUM
     dense = torch.ones(6)
     assert takes(dense, cpu) and takes(torch.ones(2, 3, dtype=torch.bfloat16), cpu)
+    assert _C.all_reduce_tensor(handle, dense, sum_, 10.0) is True, "refused a dense CPU tensor"
     refused = {
         "strided view": torch.ones(6, 2)[:, 0],
         "int8": torch.ones(6, dtype=torch.int8),
         "sparse COO": torch.ones(6).to_sparse(),
         "sparse CSR": torch.ones(2, 3).to_sparse_csr(),
         "meta": torch.ones(6, device="meta"),
+        "subclass": torch.nn.Parameter(torch.ones(6)),
+        "not a tensor": [1.0] * 6,
     }
     for what, tensor in refused.items():
-        assert not takes(tensor, cpu), f"takes() accepted a {what} tensor"
+        if isinstance(tensor, torch.Tensor) and what != "subclass":
+            assert not takes(tensor, cpu), f"takes() accepted a {what} tensor"
+        assert _C.all_reduce_tensor(handle, tensor, sum_, 10.0) is False, f"all_reduce_tensor took a {what}"
+        assert _C.reduce_scatter_tensors(handle, dense, tensor, sum_, 10.0) is False, f"reduce_scatter took a {what}"
+        assert _C.all_gather_tensors(handle, tensor, dense, 10.0) is False, f"all_gather took a {what}"
     assert not takes(dense, lambda t: False), "takes() ignored the transport's supports()"
-    assert not backend_ops.lean_pair(torch.ones(6), torch.ones(2), 2, cpu), "numel 6 != 2 * 2"
-    assert not backend_ops.lean_pair(torch.ones(4), torch.ones(2, dtype=torch.float64), 2, cpu), "dtypes differ"
-    assert backend_ops.lean_pair(torch.ones(4), torch.ones(2), 2, cpu)
+    # pairs on this one-rank group: the big tensor holds 1 chunk of the small one's size
+    buffer = torch.arange(8.0)
+    for gather, call in ((False, lambda o, i: _C.reduce_scatter_tensors(handle, o, i, sum_, 10.0)),
+                         (True, lambda o, i: _C.all_gather_tensors(handle, o, i, 10.0))):
+        def pair(big, small):
+            return call(big, small) if gather else call(small, big)
+
+        assert pair(torch.ones(6), torch.ones(2)) is False, "numel 6 != 1 * 2"
+        assert pair(torch.ones(2), torch.ones(2, dtype=torch.float64)) is False, "dtypes differ"
+        assert pair(buffer[0:4], buffer[1:5]) is False, "the two overlap, not in place"
+        assert pair(buffer[4:8], buffer[4:8]) is True, "in place: the small one is chunk `rank` of the big one"
+        source, target = torch.arange(4.0), torch.zeros(4)
+        assert pair(*((target, source) if gather else (source, target))) is True
+        assert torch.equal(target, torch.arange(4.0)), f"gather={gather}: {target}"
+    with pytest.raises(TypeError, match="expected 4 arguments"):
+        _C.all_reduce_tensor(handle, dense, sum_)
+    group._group.lean_handle = None  # what Group.run sets while work is queued
+    assert not collectives.lean_all_reduce(dense, sum_, group._group), "the lean path ran while work was queued"
 
 
 def test_lean_reduce_ops() -> None:

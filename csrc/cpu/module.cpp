@@ -1,12 +1,6 @@
 // pybind11 bindings of ringcomm._C. Everything takes raw data_ptr() ints and
-// releases the GIL; no torch headers are involved.
-//
-// [Note: lean calls] The collectives' hot entry points (all_reduce_lean, ...)
-// are METH_FASTCALL functions, not pybind11 ones: pybind11's dispatch and
-// argument casting cost more than a whole 8-byte all-reduce between two cores.
-// They take the comm as a capsule (ShmComm._handle, made once per transport)
-// and plain ints, and map C++ errors as pybind11 does (invalid_argument ->
-// ValueError, others -> RuntimeError).
+// releases the GIL; no torch headers are involved. The collectives' hot entry
+// points are in module_lean.cpp ([Note: lean calls]).
 #include <Python.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -15,6 +9,7 @@
 #include <vector>
 
 #include "adam.h"
+#include "module_lean.h"
 #include "reduce.h"
 #include "shm.h"
 #include "shm_map.h"
@@ -53,80 +48,11 @@ ShmConfig make_config(int64_t slot_nbytes, int num_slots, int64_t oneshot_max_nb
   return ShmConfig{slot_nbytes, num_slots, oneshot_max_nbytes, spin_ns, cma_min_nbytes, cma_reduce_min_nbytes};
 }
 
-constexpr const char* kCommCapsule = "ringcomm.ShmComm";
-
-// Runs `call(comm, ints, timeout_s)` for args (capsule, int x num_ints, float)
-// with the GIL released; see [Note: lean calls].
-template <int num_ints, typename Call>
-PyObject* lean_call(const char* name, PyObject* const* args, Py_ssize_t nargs, Call call) {
-  if (nargs != num_ints + 2) {
-    PyErr_Format(PyExc_TypeError, "%s: expected %d arguments, got %zd", name, num_ints + 2, nargs);
-    return nullptr;
-  }
-  auto* comm = static_cast<ShmComm*>(PyCapsule_GetPointer(args[0], kCommCapsule));
-  if (comm == nullptr) return nullptr;
-  int64_t ints[num_ints];
-  for (int i = 0; i < num_ints; ++i) {
-    ints[i] = PyLong_AsLongLong(args[i + 1]);
-    if (ints[i] == -1 && PyErr_Occurred()) return nullptr;
-  }
-  const double timeout_s = PyFloat_AsDouble(args[num_ints + 1]);
-  if (timeout_s == -1.0 && PyErr_Occurred()) return nullptr;
-  PyObject* error_type = nullptr;
-  std::string message;
-  Py_BEGIN_ALLOW_THREADS
-  try {
-    call(*comm, ints, timeout_s);
-  } catch (const std::invalid_argument& err) {
-    error_type = PyExc_ValueError;
-    message = err.what();
-  } catch (const std::exception& err) {
-    error_type = PyExc_RuntimeError;
-    message = err.what();
-  }
-  Py_END_ALLOW_THREADS
-  if (error_type != nullptr) {
-    PyErr_SetString(error_type, message.c_str());
-    return nullptr;
-  }
-  Py_RETURN_NONE;
-}
-
-// all_reduce_lean(handle, input, output, numel, dtype, op, timeout_s)
-PyObject* all_reduce_lean(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  return lean_call<5>("all_reduce_lean", args, nargs, [](ShmComm& comm, const int64_t* a, double timeout_s) {
-    comm.all_reduce(a[0], a[1], a[2], static_cast<int>(a[3]), static_cast<int>(a[4]), timeout_s);
-  });
-}
-
-// reduce_scatter_lean(handle, input, output, chunk_numel, dtype, op, timeout_s)
-PyObject* reduce_scatter_lean(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  return lean_call<5>("reduce_scatter_lean", args, nargs, [](ShmComm& comm, const int64_t* a, double timeout_s) {
-    comm.reduce_scatter(a[0], a[1], a[2], static_cast<int>(a[3]), static_cast<int>(a[4]), timeout_s);
-  });
-}
-
-// all_gather_lean(handle, input, output, chunk_numel, dtype, timeout_s)
-PyObject* all_gather_lean(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  return lean_call<4>("all_gather_lean", args, nargs, [](ShmComm& comm, const int64_t* a, double timeout_s) {
-    comm.all_gather(a[0], a[1], a[2], static_cast<int>(a[3]), timeout_s);
-  });
-}
-
-PyMethodDef kLeanMethods[] = {
-    {"all_reduce_lean", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(all_reduce_lean)), METH_FASTCALL,
-     "all_reduce_lean(handle, input, output, numel, dtype, op, timeout_s)"},
-    {"reduce_scatter_lean", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(reduce_scatter_lean)),
-     METH_FASTCALL, "reduce_scatter_lean(handle, input, output, chunk_numel, dtype, op, timeout_s)"},
-    {"all_gather_lean", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(all_gather_lean)), METH_FASTCALL,
-     "all_gather_lean(handle, input, output, chunk_numel, dtype, timeout_s)"},
-};
-
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "ringcomm C++ kernels and shared-memory transport";
-  for (PyMethodDef& def : kLeanMethods) m.add_object(def.ml_name, py::reinterpret_steal<py::object>(PyCFunction_New(&def, nullptr)));
+  ringcomm::add_lean_functions(m);
   py::call_guard<py::gil_scoped_release> no_gil;
   m.def("reduce_n", &reduce_n, "dst = srcs[0] op srcs[1] op ...", py::arg("dst"), py::arg("srcs"), py::arg("numel"),
         py::arg("dtype"), py::arg("op"), py::arg("divisor") = 1, no_gil);
@@ -183,8 +109,8 @@ PYBIND11_MODULE(_C, m) {
       .def("setup_cma", &ShmComm::setup_cma, "collective: whether every rank can read every other by CMA; '' when "
            "it can, else why not", py::arg("timeout_s"), no_gil)
       .def_property_readonly("cma_enabled", &ShmComm::cma_enabled)
-      .def_property_readonly("_handle", [](ShmComm& comm) { return py::capsule(&comm, kCommCapsule); },
-                             "the comm for the *_lean functions (see [Note: lean calls]); valid while it lives")
+      .def_property_readonly("_handle", [](ShmComm& comm) { return py::capsule(&comm, ringcomm::kCommCapsule); },
+                             "the comm for the *_lean and *_tensor(s) functions (see [Note: lean calls]); valid while it lives")
       .def("register_window", &ShmComm::register_window, py::arg("id"), py::arg("bases"), py::arg("nbytes"))
       .def("unregister_window", &ShmComm::unregister_window, py::arg("id"))
       .def("_debug_post", &ShmComm::debug_post, "test-only: post the next round with an unchecked descriptor",

@@ -1,0 +1,288 @@
+// The hot entry points of ringcomm._C: collectives on torch tensors straight
+// from Python, for the lean path of ringcomm.collectives ([Note: lean path]).
+//
+// [Note: lean calls] These are METH_FASTCALL functions, not pybind11 ones:
+// pybind11's dispatch and argument casting cost more than a whole 8-byte
+// all-reduce between two cores. They take the comm as a capsule
+// (ShmComm._handle, made once per transport) and map C++ errors as pybind11
+// does (invalid_argument -> ValueError, others -> RuntimeError).
+//
+// *_lean take raw pointers and sizes: the transport's calls, on tensors that
+// ringcomm.collectives has checked. *_tensor(s) take the tensors themselves and
+// check them here, with torch's own Python attributes (no torch headers at
+// build time) but without the interpreter between them, which halves what the
+// same checks cost in Python. A tensor takes this path when it is a
+// torch.Tensor itself (no subclass), strided, on the CPU, contiguous, of a
+// ringcomm dtype, and a pair when its sizes match and the two do not overlap
+// other than in the exact in-place form (ringcomm.aliasing's rule). Otherwise
+// the call returns False having done nothing, and the caller takes its checked
+// path, which raises the errors; True means the collective ran.
+#include "module_lean.h"
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common.h"
+#include "shm.h"
+
+namespace ringcomm {
+namespace {
+
+// What the checks compare with, from lean_setup (ringcomm.collectives at import).
+struct TorchApi {
+  PyTypeObject* tensor_type = nullptr;
+  PyObject* strided = nullptr;
+  std::vector<std::pair<PyObject*, int>> dtype_codes;  // torch dtype -> ringcomm code
+  PyObject* layout = nullptr;                          // interned attribute names
+  PyObject* dtype = nullptr;
+  PyObject* is_cpu = nullptr;
+  PyObject* is_contiguous = nullptr;
+  PyObject* data_ptr = nullptr;
+  PyObject* nbytes = nullptr;
+};
+TorchApi api;
+
+// An owned reference, released at scope exit.
+class Ref {
+ public:
+  explicit Ref(PyObject* object) : object_(object) {}
+  ~Ref() { Py_XDECREF(object_); }
+  Ref(const Ref&) = delete;
+  Ref& operator=(const Ref&) = delete;
+  PyObject* get() const { return object_; }
+
+ private:
+  PyObject* object_;
+};
+
+PyObject* call_method(PyObject* self, PyObject* name) {
+  PyObject* args[] = {self};
+  return PyObject_VectorcallMethod(name, args, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+}
+
+struct LeanTensor {
+  int dtype;
+  uintptr_t ptr;
+  int64_t nbytes;
+};
+
+// Whether `object` may take the lean path; fills `tensor` when it may. An
+// error from torch's attributes leaves a Python error set (see no_lean).
+bool read_tensor(PyObject* object, LeanTensor* tensor) {
+  if (api.tensor_type == nullptr || Py_TYPE(object) != api.tensor_type) return false;
+  const Ref layout(PyObject_GetAttr(object, api.layout));
+  if (layout.get() != api.strided) return false;
+  const Ref dtype(PyObject_GetAttr(object, api.dtype));
+  tensor->dtype = -1;
+  for (const auto& [known, code] : api.dtype_codes)
+    if (dtype.get() == known) tensor->dtype = code;
+  if (tensor->dtype < 0) return false;
+  const Ref is_cpu(PyObject_GetAttr(object, api.is_cpu));
+  if (is_cpu.get() != Py_True) return false;
+  const Ref contiguous(call_method(object, api.is_contiguous));
+  if (contiguous.get() != Py_True) return false;
+  const Ref ptr(call_method(object, api.data_ptr));
+  const Ref nbytes(PyObject_GetAttr(object, api.nbytes));
+  if (ptr.get() == nullptr || nbytes.get() == nullptr) return false;
+  tensor->ptr = static_cast<uintptr_t>(PyLong_AsUnsignedLongLong(ptr.get()));
+  tensor->nbytes = PyLong_AsLongLong(nbytes.get());
+  return !PyErr_Occurred();
+}
+
+// The answer when the checks refused: False for the checked path, which reports
+// what a torch attribute raised (an Exception); anything else (KeyboardInterrupt)
+// propagates.
+PyObject* no_lean() {
+  if (PyErr_Occurred()) {
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) return nullptr;
+    PyErr_Clear();
+  }
+  Py_RETURN_FALSE;
+}
+
+// The (big, small) pair of reduce_scatter (input, output) or all_gather
+// (output, input): one dtype, big = world_size * small, and no overlap unless
+// small is chunk `rank` of big.
+bool pair_takes(const ShmComm& comm, const LeanTensor& big, const LeanTensor& small) {
+  if (big.dtype != small.dtype || big.nbytes != comm.world_size() * small.nbytes) return false;
+  const bool overlap = small.ptr < big.ptr + big.nbytes && big.ptr < small.ptr + small.nbytes;
+  return !overlap || small.ptr == big.ptr + comm.rank() * small.nbytes;
+}
+
+bool check_nargs(const char* name, Py_ssize_t nargs, Py_ssize_t expected) {
+  if (nargs == expected) return true;
+  PyErr_Format(PyExc_TypeError, "%s: expected %zd arguments, got %zd", name, expected, nargs);
+  return false;
+}
+
+ShmComm* comm_of(PyObject* capsule) { return static_cast<ShmComm*>(PyCapsule_GetPointer(capsule, kCommCapsule)); }
+
+// Runs `call()` with the GIL released; maps its C++ error to a Python one.
+// Returns whether it succeeded (else a Python error is set).
+template <typename Call>
+bool run_released(Call call) {
+  PyObject* error_type = nullptr;
+  std::string message;
+  Py_BEGIN_ALLOW_THREADS
+  try {
+    call();
+  } catch (const std::invalid_argument& err) {
+    error_type = PyExc_ValueError;
+    message = err.what();
+  } catch (const std::exception& err) {
+    error_type = PyExc_RuntimeError;
+    message = err.what();
+  }
+  Py_END_ALLOW_THREADS
+  if (error_type == nullptr) return true;
+  PyErr_SetString(error_type, message.c_str());
+  return false;
+}
+
+// Reads args[first .. first + count) as ints into `ints`.
+bool read_ints(PyObject* const* args, int first, int count, int64_t* ints) {
+  for (int i = 0; i < count; ++i) {
+    ints[i] = PyLong_AsLongLong(args[first + i]);
+    if (ints[i] == -1 && PyErr_Occurred()) return false;
+  }
+  return true;
+}
+
+// Calls `call(comm, ints, timeout_s)` for args (capsule, int x num_ints, timeout_s).
+template <int num_ints, typename Call>
+PyObject* pointer_call(const char* name, PyObject* const* args, Py_ssize_t nargs, Call call) {
+  if (!check_nargs(name, nargs, num_ints + 2)) return nullptr;
+  ShmComm* comm = comm_of(args[0]);
+  int64_t ints[num_ints];
+  if (comm == nullptr || !read_ints(args, 1, num_ints, ints)) return nullptr;
+  const double timeout_s = PyFloat_AsDouble(args[num_ints + 1]);
+  if (timeout_s == -1.0 && PyErr_Occurred()) return nullptr;
+  if (!run_released([&] { call(*comm, ints, timeout_s); })) return nullptr;
+  Py_RETURN_NONE;
+}
+
+// all_reduce_lean(handle, input, output, numel, dtype, op, timeout_s)
+PyObject* all_reduce_lean(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  return pointer_call<5>("all_reduce_lean", args, nargs, [](ShmComm& comm, const int64_t* a, double timeout_s) {
+    comm.all_reduce(a[0], a[1], a[2], static_cast<int>(a[3]), static_cast<int>(a[4]), timeout_s);
+  });
+}
+
+// reduce_scatter_lean(handle, input, output, chunk_numel, dtype, op, timeout_s)
+PyObject* reduce_scatter_lean(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  return pointer_call<5>("reduce_scatter_lean", args, nargs, [](ShmComm& comm, const int64_t* a, double timeout_s) {
+    comm.reduce_scatter(a[0], a[1], a[2], static_cast<int>(a[3]), static_cast<int>(a[4]), timeout_s);
+  });
+}
+
+// all_gather_lean(handle, input, output, chunk_numel, dtype, timeout_s)
+PyObject* all_gather_lean(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  return pointer_call<4>("all_gather_lean", args, nargs, [](ShmComm& comm, const int64_t* a, double timeout_s) {
+    comm.all_gather(a[0], a[1], a[2], static_cast<int>(a[3]), timeout_s);
+  });
+}
+
+// all_reduce_tensor(handle, tensor, op, timeout_s) -> bool: in place.
+PyObject* all_reduce_tensor(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!check_nargs("all_reduce_tensor", nargs, 4)) return nullptr;
+  ShmComm* comm = comm_of(args[0]);
+  if (comm == nullptr) return nullptr;
+  LeanTensor tensor;
+  if (!read_tensor(args[1], &tensor)) return no_lean();
+  int64_t op = 0;
+  if (!read_ints(args, 2, 1, &op)) return nullptr;
+  const double timeout_s = PyFloat_AsDouble(args[3]);
+  if (timeout_s == -1.0 && PyErr_Occurred()) return nullptr;
+  const int64_t numel = tensor.nbytes / element_nbytes(to_dtype(tensor.dtype));
+  if (!run_released([&] {
+        comm->all_reduce(tensor.ptr, tensor.ptr, numel, tensor.dtype, static_cast<int>(op), timeout_s);
+      }))
+    return nullptr;
+  Py_RETURN_TRUE;
+}
+
+// reduce_scatter_tensors(handle, output, input, op, timeout_s) and
+// all_gather_tensors(handle, output, input, timeout_s) -> bool.
+template <bool gather>
+PyObject* pair_call(const char* name, PyObject* const* args, Py_ssize_t nargs) {
+  constexpr int num_args = gather ? 4 : 5;
+  if (!check_nargs(name, nargs, num_args)) return nullptr;
+  ShmComm* comm = comm_of(args[0]);
+  if (comm == nullptr) return nullptr;
+  LeanTensor output, input;
+  if (!read_tensor(args[1], &output) || !read_tensor(args[2], &input)) return no_lean();
+  const LeanTensor& big = gather ? output : input;
+  const LeanTensor& small = gather ? input : output;
+  if (!pair_takes(*comm, big, small)) Py_RETURN_FALSE;
+  int64_t op = 0;
+  if (!gather && !read_ints(args, 3, 1, &op)) return nullptr;
+  const double timeout_s = PyFloat_AsDouble(args[num_args - 1]);
+  if (timeout_s == -1.0 && PyErr_Occurred()) return nullptr;
+  const int64_t chunk_numel = small.nbytes / element_nbytes(to_dtype(small.dtype));
+  if (!run_released([&] {
+        if (gather) {
+          comm->all_gather(input.ptr, output.ptr, chunk_numel, input.dtype, timeout_s);
+        } else {
+          comm->reduce_scatter(input.ptr, output.ptr, chunk_numel, input.dtype, static_cast<int>(op), timeout_s);
+        }
+      }))
+    return nullptr;
+  Py_RETURN_TRUE;
+}
+
+PyObject* reduce_scatter_tensors(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  return pair_call<false>("reduce_scatter_tensors", args, nargs);
+}
+
+PyObject* all_gather_tensors(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  return pair_call<true>("all_gather_tensors", args, nargs);
+}
+
+template <PyObject* (*fn)(PyObject*, PyObject* const*, Py_ssize_t)>
+PyMethodDef fastcall(const char* name, const char* doc) {
+  return {name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fn)), METH_FASTCALL, doc};
+}
+
+PyMethodDef kLeanMethods[] = {
+    fastcall<all_reduce_lean>("all_reduce_lean", "all_reduce_lean(handle, input, output, numel, dtype, op, timeout_s)"),
+    fastcall<reduce_scatter_lean>("reduce_scatter_lean",
+                                  "reduce_scatter_lean(handle, input, output, chunk_numel, dtype, op, timeout_s)"),
+    fastcall<all_gather_lean>("all_gather_lean", "all_gather_lean(handle, input, output, chunk_numel, dtype, timeout_s)"),
+    fastcall<all_reduce_tensor>("all_reduce_tensor",
+                                "all_reduce_tensor(handle, tensor, op, timeout_s) -> whether it ran (see [Note: lean calls])"),
+    fastcall<reduce_scatter_tensors>("reduce_scatter_tensors",
+                                     "reduce_scatter_tensors(handle, output, input, op, timeout_s) -> whether it ran"),
+    fastcall<all_gather_tensors>("all_gather_tensors",
+                                 "all_gather_tensors(handle, output, input, timeout_s) -> whether it ran"),
+};
+
+PyObject* intern(const char* name) { return PyUnicode_InternFromString(name); }
+
+}  // namespace
+
+void add_lean_functions(pybind11::module_& m) {
+  for (PyMethodDef& def : kLeanMethods)
+    m.add_object(def.ml_name, pybind11::reinterpret_steal<pybind11::object>(PyCFunction_New(&def, nullptr)));
+  m.def(
+      "_lean_setup",
+      [](pybind11::type tensor_type, pybind11::object strided, pybind11::dict dtype_codes) {
+        // Called at import; the references live as long as the process.
+        api.dtype_codes.clear();
+        api.tensor_type = reinterpret_cast<PyTypeObject*>(tensor_type.release().ptr());
+        api.strided = strided.release().ptr();
+        for (auto [dtype, code] : dtype_codes)
+          api.dtype_codes.emplace_back(pybind11::reinterpret_borrow<pybind11::object>(dtype).release().ptr(),
+                                       code.cast<int>());
+        api.layout = intern("layout");
+        api.dtype = intern("dtype");
+        api.is_cpu = intern("is_cpu");
+        api.is_contiguous = intern("is_contiguous");
+        api.data_ptr = intern("data_ptr");
+        api.nbytes = intern("nbytes");
+      },
+      "what the *_tensor(s) checks compare with: torch.Tensor, torch.strided, {torch dtype: ringcomm code}",
+      pybind11::arg("tensor_type"), pybind11::arg("strided"), pybind11::arg("dtype_codes"));
+}
+
+}  // namespace ringcomm
