@@ -18,11 +18,14 @@ from harness import run_ranks
 NUM_STEPS = 4
 LR = 1e-2
 TRANSPORT_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+LEAN_OPS = ("all_reduce_tensor", "reduce_scatter_tensors", "all_gather_tensors")  # ringcomm.collectives' lean path
 
 
 def count_transport_calls() -> collections.Counter:
-    """Counts the calls that reach ringcomm's shm transport from now on (proof
-    that a wrapper's collectives ran on ringcomm, not on a gloo fallback)."""
+    """Counts the calls that reach ringcomm's shm transport from now on, through
+    its methods or the lean path (proof that a wrapper's collectives ran on
+    ringcomm, not on a gloo fallback)."""
+    from ringcomm import _C
     from ringcomm.transport.shm import ShmTransport
 
     calls: collections.Counter = collections.Counter()
@@ -31,6 +34,12 @@ def count_transport_calls() -> collections.Counter:
             calls[_name] += 1
             return _original(self, *args)
         setattr(ShmTransport, name, counted)
+    for name in LEAN_OPS:
+        def counted_lean(*args, _name=name, _original=getattr(_C, name)):
+            ran = _original(*args)
+            calls[_name] += ran  # False: refused, the call goes on to the transport's methods
+            return ran
+        setattr(_C, name, counted_lean)
     return calls
 
 

@@ -104,7 +104,8 @@ ShmComm::ShmComm(const std::string& name, int rank, int world_size, ShmConfig co
       descs_(world_size > 0 ? world_size : 0),
       peer_inputs_(world_size > 0 ? world_size : 0),
       peer_outputs_(world_size > 0 ? world_size : 0),
-      srcs_(world_size > 0 ? world_size : 0) {
+      srcs_(world_size > 0 ? world_size : 0),
+      seen_consumed_(world_size > 0 ? world_size : 0, 0) {
   if (world_size < 1 || rank < 0 || rank >= world_size)
     throw std::invalid_argument("shm: rank " + std::to_string(rank) + " outside world_size " + std::to_string(world_size));
   if (config.num_slots < 2) throw std::invalid_argument("shm: num_slots=" + std::to_string(config.num_slots) + " < 2");
@@ -170,15 +171,15 @@ void ShmComm::fail(const std::string& message) {
   throw std::runtime_error(message);
 }
 
-// Waits until `peer`'s flag reaches `target` (see [Note: shm waits]); see
-// [Note: shm trust] in shm_trust.cpp for `limit`.
-void ShmComm::wait_for(int peer, FlagKind kind, uint64_t target, const StepInfo& step, const char* what) {
+// Waits until `peer`'s flag reaches `target` (see [Note: shm waits]); returns
+// the value it read. See [Note: shm trust] in shm_trust.cpp for `limit`.
+uint64_t ShmComm::wait_for(int peer, FlagKind kind, uint64_t target, const StepInfo& step, const char* what) {
   const Flag& flag = kind == FlagKind::kPosted ? header(peer)->posted : header(peer)->consumed;
   const uint64_t limit = kind == FlagKind::kPosted ? seq_ + config_.num_slots : seq_;
   uint64_t value = flag.value.load(std::memory_order_acquire);
   if (value >= target) {
     if (value > limit) fail_flag(peer, kind, value, limit, step);
-    return;
+    return value;
   }
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
@@ -188,7 +189,7 @@ void ShmComm::wait_for(int peer, FlagKind kind, uint64_t target, const StepInfo&
     value = flag.value.load(std::memory_order_acquire);
     if (value >= target) {
       if (value > limit) fail_flag(peer, kind, value, limit, step);
-      return;
+      return value;
     }
     if (spin % 64 != 0) {
       cpu_relax();
@@ -237,8 +238,10 @@ char* ShmComm::acquire_slot(const StepInfo& step) {
   const uint64_t round = seq_ + 1;
   if (round > static_cast<uint64_t>(config_.num_slots)) {
     const uint64_t target = round - config_.num_slots;
-    for (int peer = 0; peer < world_size_; ++peer)
-      if (peer != rank_) wait_for(peer, FlagKind::kConsumed, target, step, "free a staging slot");
+    for (int peer = 0; peer < world_size_; ++peer) {
+      if (peer != rank_ && seen_consumed_[peer] < target)  // else no need to touch the peer's cache line
+        seen_consumed_[peer] = wait_for(peer, FlagKind::kConsumed, target, step, "free a staging slot");
+    }
   }
   return slot_data(rank_, round);
 }

@@ -133,7 +133,7 @@ class ShmComm {
   RankHeader* header(int rank) const;
 
   enum class FlagKind { kPosted, kConsumed };
-  void wait_for(int peer, FlagKind kind, uint64_t target, const StepInfo& step, const char* what);
+  uint64_t wait_for(int peer, FlagKind kind, uint64_t target, const StepInfo& step, const char* what);
   [[noreturn]] void fail_flag(int peer, FlagKind kind, uint64_t value, uint64_t limit, const StepInfo& step);
   [[noreturn]] void fail(const std::string& message);
   bool peer_exited(int peer) const;
@@ -171,6 +171,9 @@ class ShmComm {
   int64_t mapped_nbytes_ = 0;
   uint64_t pid_ns_ = 0;  // this process's pid namespace, as in RankHeader
   uint64_t seq_ = 0;  // rounds this rank has posted
+  // The highest consumed flag seen (and checked) per peer: a peer's consumed
+  // only grows, so acquire_slot reads it again only when this is too low.
+  std::vector<uint64_t> seen_consumed_;
   std::vector<WindowTable> windows_;
   // Filled by check_descs in the first round of an op: every rank's OpDesc as
   // read once from the segment and checked, and (zero-copy ops) where each

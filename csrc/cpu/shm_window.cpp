@@ -152,7 +152,8 @@ void ShmComm::reduce_peers(const StepInfo& step, char* dst, const char* const* s
 
 void ShmComm::wait_consumed(const StepInfo& step) {
   for (int peer = 0; peer < world_size_; ++peer)
-    if (peer != rank_) wait_for(peer, FlagKind::kConsumed, seq_, step, "finish reading this rank's buffer");
+    if (peer != rank_)
+      seen_consumed_[peer] = wait_for(peer, FlagKind::kConsumed, seq_, step, "finish reading this rank's buffer");
 }
 
 // Round 1: each rank reduces its chunk from every rank's input into its output.

@@ -51,7 +51,7 @@ class ShmTransport:
         self.world_size = comm.world_size
         self.timeout_s = timeout_s
         self._next_window = 0
-        self.handle = comm._handle  # for the lean calls: see [Note: lean calls] in csrc/cpu/module.cpp
+        self.handle = comm._handle  # for the lean calls: see [Note: lean calls] in csrc/cpu/module_lean.cpp
         self._single_copy = "staged"
 
     @classmethod
