@@ -5,10 +5,11 @@ to the group's transport (inline, or on its comm thread with async_op=True).
 itself, not a subclass) that are contiguous, of a ringcomm dtype, sized
 consistently and not overlapping other than in the exact in-place forms,
 on a group whose transport has lean calls and nothing queued, goes straight to
-the C++ op: one call, which checks the tensors itself (csrc/cpu/module_lean.cpp,
-[Note: lean calls]) and says whether it ran. Every other call takes the checked
-path below it, which raises the errors. The C++ op still checks, across ranks, that all called the same
-op, dtype and size, and that one thread at a time uses the group.
+the C++ op: one call, which checks the tensors itself and says whether it ran
+(csrc/cpu/module_lean.cpp, [Note: lean calls]). Every other call takes the
+checked path below it, which raises the errors. The C++ op still checks,
+across ranks, that all called the same op, dtype and size, and that one thread
+at a time uses the group.
 """
 from __future__ import annotations
 
@@ -18,8 +19,6 @@ from . import _C, aliasing
 from .group import Group, resolve_group
 from .ops import DTYPE_CODES, ReduceOp, dtype_code, to_reduce_op
 from .work import Work
-
-
 
 # ---- the lean path: see [Note: lean path]. Each returns whether the call ran. ----
 _C._lean_setup(torch.Tensor, torch.strided, DTYPE_CODES)

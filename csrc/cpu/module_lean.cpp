@@ -10,9 +10,10 @@
 // *_lean take raw pointers and sizes: the transport's calls, on tensors that
 // ringcomm.collectives has checked. *_tensor(s) take the tensors themselves and
 // check them here, with torch's own Python attributes (no torch headers at
-// build time) but without the interpreter between them, which halves what the
-// same checks cost in Python. A tensor takes this path when it is a
-// torch.Tensor itself (no subclass), strided, on the CPU, contiguous, of a
+// build time) but without the interpreter between them: 8-byte calls at 2 ranks
+// measured 0.3-1.4 us faster than with the same checks in Python, most of what
+// is left being torch's getters (~70 ns each). A tensor takes this path when it
+// is a torch.Tensor itself (no subclass), strided, on the CPU, contiguous, of a
 // ringcomm dtype, and a pair when its sizes match and the two do not overlap
 // other than in the exact in-place form (ringcomm.aliasing's rule). Otherwise
 // the call returns False having done nothing, and the caller takes its checked
@@ -248,9 +249,10 @@ PyMethodDef kLeanMethods[] = {
     fastcall<all_reduce_lean>("all_reduce_lean", "all_reduce_lean(handle, input, output, numel, dtype, op, timeout_s)"),
     fastcall<reduce_scatter_lean>("reduce_scatter_lean",
                                   "reduce_scatter_lean(handle, input, output, chunk_numel, dtype, op, timeout_s)"),
-    fastcall<all_gather_lean>("all_gather_lean", "all_gather_lean(handle, input, output, chunk_numel, dtype, timeout_s)"),
+    fastcall<all_gather_lean>("all_gather_lean",
+                              "all_gather_lean(handle, input, output, chunk_numel, dtype, timeout_s)"),
     fastcall<all_reduce_tensor>("all_reduce_tensor",
-                                "all_reduce_tensor(handle, tensor, op, timeout_s) -> whether it ran (see [Note: lean calls])"),
+                                "all_reduce_tensor(handle, tensor, op, timeout_s) -> whether it ran"),
     fastcall<reduce_scatter_tensors>("reduce_scatter_tensors",
                                      "reduce_scatter_tensors(handle, output, input, op, timeout_s) -> whether it ran"),
     fastcall<all_gather_tensors>("all_gather_tensors",

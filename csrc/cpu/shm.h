@@ -171,9 +171,6 @@ class ShmComm {
   int64_t mapped_nbytes_ = 0;
   uint64_t pid_ns_ = 0;  // this process's pid namespace, as in RankHeader
   uint64_t seq_ = 0;  // rounds this rank has posted
-  // The highest consumed flag seen (and checked) per peer: a peer's consumed
-  // only grows, so acquire_slot reads it again only when this is too low.
-  std::vector<uint64_t> seen_consumed_;
   std::vector<WindowTable> windows_;
   // Filled by check_descs in the first round of an op: every rank's OpDesc as
   // read once from the segment and checked, and (zero-copy ops) where each
@@ -183,6 +180,9 @@ class ShmComm {
   std::vector<const char*> peer_outputs_;
   Access access_ = Access::kStaged;  // of the op in progress
   std::vector<const void*> srcs_;    // scratch: one source per rank
+  // The highest consumed flag seen (and checked) per peer: a peer's consumed
+  // only grows, so acquire_slot reads it again only when this is too low.
+  std::vector<uint64_t> seen_consumed_;
   std::vector<char> cma_pieces_;     // kCma reductions: (world_size - 1) pieces read from peers
   std::vector<int64_t> peer_pids_;   // checked by setup_cma (see [Note: CMA trust] in shm_cma.cpp)
   uint64_t cma_token_ = 0;
