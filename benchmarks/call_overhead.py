@@ -1,7 +1,8 @@
-"""Per-call cost of the torch.distributed path to ringcomm, layer by layer:
-raw C++ call, transport call, dist.* on the "ringcomm" backend, the floor of
-any Python backend (a ProcessGroup subclass returning a finished Work), gloo,
-and the single-process pieces in between (Work, Future, checks, Group.run).
+"""Per-call cost of the paths to ringcomm, layer by layer: raw C++ call,
+transport call, ringcomm.* (the lean path), dist.* on the "ringcomm" backend,
+the floor of any Python backend (a ProcessGroup subclass returning a finished
+Work), gloo, and the single-process pieces in between (Work, Future, checks,
+Group.run).
 
     python benchmarks/call_overhead.py [--world-size 2] [--reps 7] [--target-ms 40] [--max-nbytes 1048576]
                                        [--json bench-results/call_overhead.json]
@@ -119,9 +120,10 @@ def collective_rows(pg, floor, fake, gloo, rank: int, world_size: int) -> list[t
     import torch
     import torch.distributed as dist
 
+    import ringcomm
     from ringcomm.ops import DTYPE_CODES, ReduceOp
 
-    transport = pg._group.transport
+    group, transport = pg._group, pg._group.transport
     comm = getattr(transport, "_comm", None)
     timeout_s = transport.timeout_s
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -135,6 +137,7 @@ def collective_rows(pg, floor, fake, gloo, rank: int, world_size: int) -> list[t
         rows += [("all_reduce", nbytes, "C++ (_C.ShmComm)",
                   lambda p=ptr, n=numel, c=code: comm.all_reduce(p, p, n, c, 0, timeout_s)),
                  ("all_reduce", nbytes, "transport", lambda t=t: transport.all_reduce(t, t, ReduceOp.SUM)),
+                 ("all_reduce", nbytes, "ringcomm.all_reduce", lambda t=t: ringcomm.all_reduce(t, group=group)),
                  ("all_reduce", nbytes, "pg.allreduce().wait()", lambda t=t, o=opts: pg.allreduce([t], o).wait()),
                  ("all_reduce", nbytes, "dist ringcomm", lambda t=t: dist.all_reduce(t, group=pg)),
                  ("all_reduce", nbytes, "dist ringcomm async .wait()",
@@ -148,7 +151,9 @@ def collective_rows(pg, floor, fake, gloo, rank: int, world_size: int) -> list[t
             out, inp = (big, small) if op == "all_gather" else (small, big)
             direct = ((lambda i=inp, o=out: transport.all_gather(i, o)) if op == "all_gather" else
                       (lambda i=inp, o=out: transport.reduce_scatter(i, o, ReduceOp.SUM)))
+            public = getattr(ringcomm, op)
             rows += [(op, nbytes, "transport", direct),
+                     (op, nbytes, f"ringcomm.{op}", lambda o=out, i=inp, f=public: f(o, i, group=group)),
                      (op, nbytes, "dist ringcomm", lambda o=out, i=inp, c=call: c(o, i, group=pg)),
                      (op, nbytes, "dist floor (no-op Python pg)", lambda o=out, i=inp, c=call: c(o, i, group=floor)),
                      (op, nbytes, "dist no-op C++ backend (fake)", lambda o=out, i=inp, c=call: c(o, i, group=fake)),
