@@ -91,12 +91,11 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 
     # ---- accelerated collectives ----
     def allreduce(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
-        if isinstance(opts, dist.AllreduceOptions) and len(tensors) == 1 and self._may_run_lean(opts):
-            redop = accelerated_redop(opts)
-            if redop is not None and collectives.lean_all_reduce(tensors[0], redop, self._group):
-                return finished_work(tensors)
         opts = opts or dist.AllreduceOptions()
         redop = accelerated_redop(opts)
+        if (redop is not None and len(tensors) == 1 and self._may_run_lean(opts)
+                and collectives.lean_all_reduce(tensors[0], redop, self._group)):
+            return finished_work(tensors)
         if redop is None or not self._accelerates(tensors, strided=True):
             return self._forward("allreduce", tensors, lambda b: b.allreduce(tensors, opts), opts)
         return self._run("allreduce", backend_ops.all_reduce(self._transport, tensors, redop), opts, tensors)

@@ -158,17 +158,20 @@ def check_async_in_order(rank, world_size, transport):
     assert torch.all(sync == world_size)
 
 
-def check_bf16_rounds_once(rank, world_size, transport):
+def assert_bf16_rounds_once(group, rank, world_size, where):
     """Rank 0 adds 1, the others 2^-8: every bf16 running sum 1 + 2^-8 rounds back to 1 (a tie, to
     even), while the float32 sum 1 + (n - 1) 2^-8 rounds once to something above 1."""
-    group = make_group(transport)
     tiny = 2 ** -8
     for numel in (5, 700):
         tensor = torch.full((numel,), 1.0 if rank == 0 else tiny, dtype=torch.bfloat16)
         ringcomm.all_reduce(tensor, group=group)
         exact = torch.tensor(1 + (world_size - 1) * tiny, dtype=torch.float32).to(torch.bfloat16)
-        assert torch.all(tensor == exact), f"rank {rank} {transport} {numel}: {tensor[:3]} != {exact}"
+        assert torch.all(tensor == exact), f"rank {rank} {where} {numel}: {tensor[:3]} != {exact}"
         assert exact != torch.tensor(1.0, dtype=torch.bfloat16)
+
+
+def check_bf16_rounds_once(rank, world_size, transport):
+    assert_bf16_rounds_once(make_group(transport), rank, world_size, transport)
 
 
 @pytest.mark.parametrize("transport", ["shm", "torch_dist"])

@@ -11,8 +11,8 @@ import torch.distributed as dist
 import ringcomm
 from harness import run_ranks
 from ringcomm import ReduceOp
-from test_collectives import (DTYPES, SMALL_CMA, SMALL_TORCH_DIST, assert_close, check_moves, gloo_reduce,
-                              random_data)
+from test_collectives import (DTYPES, SMALL_CMA, SMALL_TORCH_DIST, assert_bf16_rounds_once, assert_close,
+                              check_moves, gloo_reduce, random_data)
 from test_failures import killed_in_all_reduce
 
 HOST_MAJOR = ("a", "a", "b", "b")
@@ -102,14 +102,7 @@ def test_hierarchical_matches_gloo(hosts, kind, description, dtypes):
 
 
 def check_bf16_rounds_once(rank, world_size, hosts):
-    """As in test_collectives: rank 0 adds 1, the others 2^-8; only one rounding keeps the sum above 1."""
-    group = hierarchical_group(rank, hosts)
-    tiny = 2 ** -8
-    for numel in (5, 700):
-        tensor = torch.full((numel,), 1.0 if rank == 0 else tiny, dtype=torch.bfloat16)
-        ringcomm.all_reduce(tensor, group=group)
-        exact = torch.tensor(1 + (world_size - 1) * tiny, dtype=torch.float32).to(torch.bfloat16)
-        assert torch.all(tensor == exact), f"rank {rank} {numel}: {tensor[:3]} != {exact}"
+    assert_bf16_rounds_once(hierarchical_group(rank, hosts), rank, world_size, "hierarchical")
 
 
 def test_bf16_all_reduce_rounds_once():
