@@ -3,11 +3,13 @@ thread that runs their asynchronous collectives in launch order."""
 from __future__ import annotations
 
 import concurrent.futures
+import enum
 import itertools
 import os
 import re
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -35,6 +37,12 @@ class GroupOptions:
     torch_dist: TorchDistOptions = field(default_factory=TorchDistOptions)
 
 
+class GroupState(enum.Enum):
+    OPEN = "open"
+    CLOSED = "closed"
+    ABORTED = "aborted"
+
+
 class Group:
     """Ranks 0..world_size-1 of a ringcomm group and how they talk.
 
@@ -57,7 +65,7 @@ class Group:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._last: concurrent.futures.Future | None = None
         self._lock = threading.Lock()
-        self._closed = False
+        self._state = GroupState.OPEN
         self._caller: threading.Thread | None = None  # see [Note: one caller thread]
         self._in_flight = 0
         # The transport's handle for lean calls (collectives.py), or None while
@@ -83,6 +91,8 @@ class Group:
         def timed() -> None:
             timing.append(time.perf_counter())
             try:
+                if self._state is GroupState.ABORTED:
+                    raise RuntimeError(f"{op}: rank {self.rank}: aborted before it started ({self!r})")
                 fn()
             finally:
                 timing.append(time.perf_counter())
@@ -118,8 +128,8 @@ class Group:
         the call in flight. Returns whether it runs inline."""
         caller = threading.current_thread()
         with self._lock:
-            if self._closed:
-                raise RuntimeError(f"{op}: rank {self.rank}: {self!r} is closed")
+            if self._state is not GroupState.OPEN:
+                raise RuntimeError(f"{op}: rank {self.rank}: the group is {self._state.value} ({self!r})")
             if self._in_flight and self._caller is not caller:
                 raise RuntimeError(
                     f"{op}: rank {self.rank}: called from thread {caller.name!r} while thread {self._caller.name!r} "
@@ -138,7 +148,7 @@ class Group:
             self._in_flight -= 1
             if self._last is future:
                 self._last = None
-                if not self._closed:
+                if self._state is GroupState.OPEN:
                     self.lean_handle = self._idle_handle
 
     def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -148,24 +158,68 @@ class Group:
         self.run("allocate", lambda: result.append(self.transport.allocate(numel, dtype)), async_op=False)
         return result[0]
 
-    def close(self) -> None:
-        """Waits for queued work, then releases the transport, the comm thread and
-        any process group made for this group. Later calls raise. Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self.lean_handle = self._idle_handle = None
-            executor, self._executor = self._executor, None
+    # [Note: group lifetime] close, abort and the default groups.
+    # close(t): new calls are refused ("closed"); the calls queued on the comm
+    #   thread and the one in flight inline may finish, for up to t seconds (the
+    #   group's timeout by default); what is left then is aborted. Then the
+    #   transport, the comm thread and any process group made for the group are
+    #   released. As ProcessGroup.shutdown.
+    # abort(): new calls are refused ("aborted"); the call in flight fails at once
+    #   (shm: at its next wait; torch_dist: at its next transfer, see [Note:
+    #   torch_dist abort]) and queued calls fail without starting, each Work with
+    #   a RuntimeError naming its op and "aborted". As ProcessGroup.abort.
+    # Both may come from any thread, at any moment, more than once; a running
+    # call keeps what it uses alive ([Note: close and abort] in shm_lifecycle.cpp).
+    # A peer waiting on a rank that closed or aborted fails at once, naming it.
+    def close(self, timeout_s: float | None = None) -> None:
+        """See [Note: group lifetime]. Idempotent; safe from any thread."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        executor, last = self._stop(GroupState.CLOSED)
+        if last is not None:
+            concurrent.futures.wait([last], timeout=timeout_s)
+            if not last.done():
+                self._abort_transport()
         if executor is not None:
             executor.shutdown(wait=True)
-        self.transport.close()
-        if self._owned_pg is not None:
-            self._owned_pg.shutdown()
-            self._owned_pg = None
+        self.transport.close(max(deadline - time.monotonic(), 0.0))
+        self._release_pg()
+
+    def abort(self) -> None:
+        """See [Note: group lifetime]. Idempotent; safe from any thread."""
+        executor, _ = self._stop(GroupState.ABORTED)
+        self._abort_transport()
+        if executor is not None:
+            executor.shutdown(wait=True)  # the rest fails without starting
+        self._release_pg()
+
+    @property
+    def state(self) -> GroupState:
+        return self._state
+
+    def _stop(self, state: GroupState) -> tuple[concurrent.futures.ThreadPoolExecutor | None,
+                                                 concurrent.futures.Future | None]:
+        """Refuses new calls; hands over the comm thread and its last call."""
+        with self._lock:
+            if self._state is GroupState.OPEN or state is GroupState.ABORTED:
+                self._state = state
+            self.lean_handle = self._idle_handle = None
+            executor, self._executor = self._executor, None
+            return executor, self._last
+
+    def _abort_transport(self) -> None:
+        with self._lock:
+            self._state = GroupState.ABORTED
+        self.transport.abort()
+
+    def _release_pg(self) -> None:
+        with self._lock:
+            pg, self._owned_pg = self._owned_pg, None
+        if pg is not None:
+            pg.shutdown()
 
     def __repr__(self) -> str:
-        state = ", closed" if self._closed else ""
+        state = "" if self._state is GroupState.OPEN else f", {self._state.value}"
         return (f"ringcomm.Group(rank={self.rank}, world_size={self.world_size}, "
                 f"transport={self.transport.kind}{state})")
 
@@ -249,7 +303,12 @@ def _check_members(store: dist.Store, rank: int, members: tuple[int, ...], timeo
                          f"{members[0]} with {theirs}: every rank must create the same groups in the same order")
 
 
-_default_groups: dict[int, Group] = {}
+# [Note: default groups] The group that ringcomm's calls with group=None use
+# belongs to the torch.distributed world it was made for. It is closed when that
+# world's process group goes away (a weakref finalizer: destroy_process_group
+# drops torch's references to it), and it is never returned for another world,
+# even one whose object reuses the address (the key).
+_default_groups: dict[int, tuple[weakref.ref, Group]] = {}
 
 
 def default_group() -> Group:
@@ -260,9 +319,22 @@ def default_group() -> Group:
         raise RuntimeError("ringcomm: torch.distributed is not initialized; call init_process_group or pass group=")
     world = dist.group.WORLD
     key = id(world)
-    if key not in _default_groups:
-        _default_groups[key] = new_group(timeout=float(os.environ.get("RINGCOMM_TIMEOUT", DEFAULT_TIMEOUT_S)))
-    return _default_groups[key]
+    entry = _default_groups.get(key)
+    if entry is not None:
+        made_for, group = entry
+        if made_for() is world and group.state is GroupState.OPEN:
+            return group
+        _close_default(key, group)  # made for a destroyed world, or closed by hand
+    group = new_group(timeout=float(os.environ.get("RINGCOMM_TIMEOUT", DEFAULT_TIMEOUT_S)))
+    _default_groups[key] = (weakref.ref(world), group)
+    weakref.finalize(world, _close_default, key, group)
+    return group
+
+
+def _close_default(key: int, group: Group) -> None:
+    if _default_groups.get(key, (None, None))[1] is group:
+        del _default_groups[key]
+    group.close()
 
 
 def resolve_group(group: object, op: str) -> Group:
@@ -278,6 +350,7 @@ def resolve_group(group: object, op: str) -> Group:
 
 
 def destroy_default_group() -> None:
-    for group in _default_groups.values():
-        group.close()
-    _default_groups.clear()
+    """Closes the default group now (see [Note: default groups]: destroying torch's
+    world closes it too); the next call with group=None makes a new one."""
+    for key, (_, group) in list(_default_groups.items()):
+        _close_default(key, group)

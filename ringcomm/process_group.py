@@ -208,15 +208,23 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         return self._forward("allgather_coalesced", tensors,
                              lambda b: b.allgather_coalesced(output_lists, inputs, opts), opts)
 
-    # ---- lifetime ----
+    # ---- lifetime: see [Note: group lifetime] in group.py ----
     def shutdown(self) -> None:
+        """As ProcessGroupNCCL.shutdown (which destroy_process_group calls): new
+        calls are refused, the calls in flight and queued may finish (up to the
+        group's timeout, then they are aborted), then everything is released."""
         self._group.close()
         for backend in (self._gloo, self._nccl):
-            if backend is not None and hasattr(backend, "shutdown"):
+            if backend is not None:
                 backend.shutdown()
 
     def abort(self) -> None:
-        self.shutdown()
+        """As ProcessGroupNCCL.abort: the call in flight fails at once, queued ones
+        fail without starting ("aborted"); then everything is released."""
+        self._group.abort()
+        for backend in (self._gloo, self._nccl):
+            if backend is not None:
+                backend.abort()
 
     def __repr__(self) -> str:
         return f"ProcessGroupRingcomm(rank={self._rank}, world_size={self._world_size}, {self._group!r})"

@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "adam.h"
@@ -41,6 +42,12 @@ void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp
                       reinterpret_cast<float*>(exp_avg), reinterpret_cast<float*>(exp_avg_sq),
                       reinterpret_cast<void*>(out), ringcomm::to_dtype(out_dtype), numel,
                       ringcomm::AdamHyper{lr, beta1, beta2, eps, weight_decay, step, grad_coef, adamw}, num_threads);
+}
+
+// The capsule of ShmComm._handle owns a reference to the comm, so a lean call
+// that holds it keeps the comm alive ([Note: close and abort]).
+void release_comm(PyObject* capsule) {
+  delete static_cast<std::shared_ptr<ShmComm>*>(PyCapsule_GetPointer(capsule, ringcomm::kCommCapsule));
 }
 
 ShmConfig make_config(int64_t slot_nbytes, int num_slots, int64_t oneshot_max_nbytes, int64_t spin_ns,
@@ -79,14 +86,14 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("in_addr", &OpDesc::in_addr)
       .def_readwrite("out_addr", &OpDesc::out_addr);
 
-  py::class_<ShmComm>(m, "ShmComm")
+  py::class_<ShmComm, std::shared_ptr<ShmComm>>(m, "ShmComm")
       .def(py::init([](const std::string& name, int rank, int world_size, int64_t slot_nbytes, int num_slots,
                        int64_t oneshot_max_nbytes, int64_t spin_ns, bool create, int64_t cma_min_nbytes,
                        int64_t cma_reduce_min_nbytes) {
-             return new ShmComm(name, rank, world_size,
-                                make_config(slot_nbytes, num_slots, oneshot_max_nbytes, spin_ns, cma_min_nbytes,
-                                            cma_reduce_min_nbytes),
-                                create);
+             return std::make_shared<ShmComm>(name, rank, world_size,
+                                              make_config(slot_nbytes, num_slots, oneshot_max_nbytes, spin_ns,
+                                                          cma_min_nbytes, cma_reduce_min_nbytes),
+                                              create);
            }),
            py::arg("name"), py::arg("rank"), py::arg("world_size"), py::arg("slot_nbytes"), py::arg("num_slots"),
            py::arg("oneshot_max_nbytes"), py::arg("spin_ns"), py::arg("create"), py::arg("cma_min_nbytes") = -1,
@@ -109,10 +116,23 @@ PYBIND11_MODULE(_C, m) {
       .def("setup_cma", &ShmComm::setup_cma, "collective: whether every rank can read every other by CMA; '' when "
            "it can, else why not", py::arg("timeout_s"), no_gil)
       .def_property_readonly("cma_enabled", &ShmComm::cma_enabled)
-      .def_property_readonly("_handle", [](ShmComm& comm) { return py::capsule(&comm, ringcomm::kCommCapsule); },
-                             "the comm for the *_lean and *_tensor(s) functions (see [Note: lean calls]); valid while it lives")
-      .def("register_window", &ShmComm::register_window, py::arg("id"), py::arg("bases"), py::arg("nbytes"))
-      .def("unregister_window", &ShmComm::unregister_window, py::arg("id"))
+      .def_property_readonly("_handle",
+                             [](std::shared_ptr<ShmComm> comm) {
+                               return py::capsule(new std::shared_ptr<ShmComm>(std::move(comm)),
+                                                  ringcomm::kCommCapsule, &release_comm);
+                             },
+                             "the comm for the *_lean and *_tensor(s) functions (see [Note: lean calls]); it keeps "
+                             "the comm alive")
+      .def("close", &ShmComm::close, "refuse new calls, wait up to timeout_s for the one in flight (then abort it); "
+           "whether it ended by itself", py::arg("timeout_s"), no_gil)
+      .def("abort", &ShmComm::abort, "the call in flight fails at once; later calls are refused", no_gil)
+      .def_property_readonly("state", [](const ShmComm& comm) {
+        static const char* const names[] = {"open", "closing", "closed", "aborted"};
+        return std::string(names[static_cast<int>(comm.state())]);
+      })
+      .def("register_window", &ShmComm::register_window, py::arg("id"), py::arg("bases"), py::arg("nbytes"), no_gil)
+      .def("unregister_window", &ShmComm::unregister_window, "waits for the op in flight if it may read windows",
+           py::arg("id"), no_gil)
       .def("_debug_post", &ShmComm::debug_post, "test-only: post the next round with an unchecked descriptor",
            py::arg("desc"))
       .def("_debug_store", &ShmComm::debug_store, "test-only: store into this rank's header", py::arg("field"),

@@ -4,8 +4,9 @@
 // [Note: lean calls] These are METH_FASTCALL functions, not pybind11 ones:
 // pybind11's dispatch and argument casting cost more than a whole 8-byte
 // all-reduce between two cores. They take the comm as a capsule
-// (ShmComm._handle, made once per transport) and map C++ errors as pybind11
-// does (invalid_argument -> ValueError, others -> RuntimeError).
+// (ShmComm._handle, made once per transport; it holds a reference to the comm,
+// see [Note: close and abort] in shm_lifecycle.cpp) and map C++ errors as
+// pybind11 does (invalid_argument -> ValueError, others -> RuntimeError).
 //
 // *_lean take raw pointers and sizes: the transport's calls, on tensors that
 // ringcomm.collectives has checked. *_tensor(s) take the tensors themselves and
@@ -20,6 +21,7 @@
 // path, which raises the errors; True means the collective ran.
 #include "module_lean.h"
 
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -117,7 +119,11 @@ bool check_nargs(const char* name, Py_ssize_t nargs, Py_ssize_t expected) {
   return false;
 }
 
-ShmComm* comm_of(PyObject* capsule) { return static_cast<ShmComm*>(PyCapsule_GetPointer(capsule, kCommCapsule)); }
+// The caller's reference to the capsule keeps the comm alive for the call.
+ShmComm* comm_of(PyObject* capsule) {
+  auto* comm = static_cast<std::shared_ptr<ShmComm>*>(PyCapsule_GetPointer(capsule, kCommCapsule));
+  return comm == nullptr ? nullptr : comm->get();
+}
 
 // Runs `call()` with the GIL released; maps its C++ error to a Python one.
 // Returns whether it succeeded (else a Python error is set).

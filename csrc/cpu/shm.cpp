@@ -81,10 +81,19 @@ int64_t thread_id() {
 
 }  // namespace
 
-OpScope::OpScope(std::atomic<int64_t>& caller, const char* op, int rank) : caller_(caller) {
+OpScope::OpScope(std::atomic<int64_t>& caller, const std::atomic<int32_t>& state, const char* op, int rank)
+    : caller_(caller) {
   const int64_t me = thread_id();
   int64_t inside = 0;
-  if (caller.compare_exchange_strong(inside, me, std::memory_order_acq_rel)) return;
+  // Sequentially consistent, as close()'s store of the state and load of the
+  // caller: either close() sees this call, or this call sees the new state.
+  if (caller.compare_exchange_strong(inside, me, std::memory_order_seq_cst)) {
+    const auto now = static_cast<CommState>(state.load(std::memory_order_seq_cst));
+    if (now == CommState::kOpen) return;
+    caller.store(0, std::memory_order_release);
+    throw std::runtime_error(std::string(op) + ": rank " + std::to_string(rank) + ": the group is " +
+                             (now == CommState::kAborted ? "aborted" : "closed"));
+  }
   throw std::runtime_error(std::string(op) + ": rank " + std::to_string(rank) + ": called from thread id " +
                            std::to_string(me) + " while thread id " + std::to_string(inside) +
                            " is inside a collective of this group; a group's collectives must come from one "
@@ -137,7 +146,7 @@ ShmComm::ShmComm(const std::string& name, int rank, int world_size, ShmConfig co
   mine->cma_token_addr = reinterpret_cast<uintptr_t>(&cma_token_);
 }
 
-ShmComm::~ShmComm() { unmap_segment(base_, mapped_nbytes_); }
+ShmComm::~ShmComm() { unmap(); }
 
 void ShmComm::unlink(const std::string& name) { unlink_segment(name); }
 
@@ -195,6 +204,7 @@ uint64_t ShmComm::wait_for(int peer, FlagKind kind, uint64_t target, const StepI
       cpu_relax();
       continue;
     }
+    check_aborted(step, target);
     const auto now = Clock::now();
     if (now < spin_until) continue;
     sleep_on(peer, flag, value, step);
@@ -206,6 +216,7 @@ uint64_t ShmComm::wait_for(int peer, FlagKind kind, uint64_t target, const StepI
     if (peer_exited(peer)) {
       fail(where.str() + ": rank " + std::to_string(peer) + " (pid " + std::to_string(header(peer)->pid) + ") has exited");
     }
+    check_peer_left(peer, where.str());
     if (now >= step.deadline) {
       std::ostringstream message;
       message << where.str() << ": Timed out after " << step.timeout_s << " s";  // torch and gloo say "Timed out"
@@ -232,6 +243,16 @@ void ShmComm::publish(Flag& flag, uint64_t value) {
   flag.value.store(value, std::memory_order_seq_cst);
   if (header(rank_)->sleepers.load(std::memory_order_seq_cst) != 0)
     syscall(SYS_futex, futex_word(flag), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+// Wakes every futex sleeper on this rank's flags and, in this process, on the
+// peers' flags (spurious wake-ups elsewhere only cost a re-check).
+void ShmComm::wake_all() {
+  for (int peer = 0; peer < world_size_; ++peer) {
+    RankHeader* theirs = header(peer);
+    syscall(SYS_futex, futex_word(theirs->posted), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+    syscall(SYS_futex, futex_word(theirs->consumed), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+  }
 }
 
 char* ShmComm::acquire_slot(const StepInfo& step) {

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -40,6 +41,11 @@ struct WindowTable {
 
 struct alignas(64) Flag { std::atomic<uint64_t> value; };
 
+// Where a comm is in its life (see [Note: close and abort] in shm_lifecycle.cpp).
+// Also what a rank leaves in its header when it stops: peers waiting on it fail
+// at once, naming it, instead of at their deadline.
+enum class CommState : int32_t { kOpen = 0, kClosing = 1, kClosed = 2, kAborted = 3 };
+
 struct RankHeader {
   Flag posted;    // last round whose data this rank has written into its slot
   Flag consumed;  // last round whose peer slots this rank has finished reading
@@ -48,6 +54,7 @@ struct RankHeader {
   uint64_t pid_ns;  // inode of the rank's /proc/self/ns/pid (0: unknown); its pid means something only there
   uint64_t cma_token, cma_token_addr;  // a random value and its address in the rank: peers read it to test CMA
   int32_t cma_ok;                      // this rank read every peer's token through CMA
+  std::atomic<int32_t> state;          // CommState: kClosed or kAborted once this rank left the group
 };
 
 struct ShmConfig {
@@ -73,10 +80,12 @@ uint64_t own_pid_namespace();
 
 // One op in progress on a group, for the length of a public call: a second
 // thread that enters meanwhile gets a RuntimeError naming the thread inside
-// (its kernel thread id), as [Note: one caller thread] in ringcomm/group.py asks.
+// (its kernel thread id), as [Note: one caller thread] in ringcomm/group.py asks,
+// and a call on a closed or aborted comm gets one saying so. close() waits
+// until no OpScope is left ([Note: close and abort] in shm_lifecycle.cpp).
 class OpScope {
  public:
-  OpScope(std::atomic<int64_t>& caller, const char* op, int rank);
+  OpScope(std::atomic<int64_t>& caller, const std::atomic<int32_t>& state, const char* op, int rank);
   ~OpScope() { caller_.store(0, std::memory_order_release); }
   OpScope(const OpScope&) = delete;
   OpScope& operator=(const OpScope&) = delete;
@@ -100,6 +109,14 @@ class ShmComm {
   void all_gather(uintptr_t input, uintptr_t output, int64_t chunk_numel, int dtype, double timeout_s);
   void broadcast(uintptr_t buffer, int64_t numel, int dtype, int root, double timeout_s);
   void barrier(double timeout_s);
+
+  // [Note: close and abort] in shm_lifecycle.cpp. close() refuses new calls,
+  // waits up to timeout_s for the call in flight, aborts it past that, and
+  // returns whether it ended by itself; abort() makes it fail at once. Both are
+  // safe from any thread; the memory stays mapped until the comm is destroyed.
+  bool close(double timeout_s);
+  void abort();
+  CommState state() const { return static_cast<CommState>(state_.load(std::memory_order_acquire)); }
 
   // Collective: tests whether every rank can read every other's memory by CMA
   // (same user and pid namespace, no seccomp or ptrace rule against it); all
@@ -137,6 +154,13 @@ class ShmComm {
   [[noreturn]] void fail_flag(int peer, FlagKind kind, uint64_t value, uint64_t limit, const StepInfo& step);
   [[noreturn]] void fail(const std::string& message);
   bool peer_exited(int peer) const;
+  void check_peer_left(int peer, const std::string& where);
+  void check_aborted(const StepInfo& step, uint64_t round);
+  bool leave(CommState how);
+  bool wait_idle(std::chrono::steady_clock::time_point deadline) const;
+  void unmap();
+  void wake_all();
+  std::unique_lock<std::mutex> lock_windows();
   void sleep_on(int peer, const Flag& flag, uint64_t seen, const StepInfo& step);
   void publish(Flag& flag, uint64_t value);
   void check_usable(const char* op) const;
@@ -171,7 +195,12 @@ class ShmComm {
   int64_t mapped_nbytes_ = 0;
   uint64_t pid_ns_ = 0;  // this process's pid namespace, as in RankHeader
   uint64_t seq_ = 0;  // rounds this rank has posted
+  // Registered and erased from Python (a tensor's finalizer, any thread); read by
+  // the op in flight, which holds windows_mutex_ from its first round to its
+  // end whenever a window exists, so a window is never unmapped under it.
   std::vector<WindowTable> windows_;
+  std::atomic<int> num_windows_{0};
+  std::mutex windows_mutex_;
   // Filled by check_descs in the first round of an op: every rank's OpDesc as
   // read once from the segment and checked, and (zero-copy ops) where each
   // peer's input and output lie in this process, checked against the windows.
@@ -188,6 +217,8 @@ class ShmComm {
   uint64_t cma_token_ = 0;
   bool cma_enabled_ = false;
   std::atomic<int64_t> caller_{0};   // see OpScope
+  std::atomic<int32_t> state_{0};    // CommState
+  std::mutex lifecycle_mutex_;       // one close or abort at a time
   std::string broken_;
 };
 

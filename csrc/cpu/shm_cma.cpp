@@ -44,7 +44,7 @@ int read_process(int64_t pid, void* local, const void* remote, int64_t nbytes) {
 }  // namespace
 
 std::string ShmComm::setup_cma(double timeout_s) {
-  OpScope scope(caller_, "setup_cma", rank_);
+  OpScope scope(caller_, state_, "setup_cma", rank_);
   std::string reason;
   peer_pids_.assign(world_size_, 0);
   for (int peer = 0; peer < world_size_ && reason.empty(); ++peer) {

@@ -24,7 +24,8 @@ void check_numel(const char* op, int64_t numel) {
 }  // namespace
 
 void ShmComm::all_reduce(uintptr_t input, uintptr_t output, int64_t numel, int dtype, int redop, double timeout_s) {
-  OpScope scope(caller_, "all_reduce", rank_);
+  OpScope scope(caller_, state_, "all_reduce", rank_);
+  const auto windows = lock_windows();
   check_numel("all_reduce", numel);
   const DType dt = to_dtype(dtype);
   to_redop(redop);
@@ -103,7 +104,8 @@ void ShmComm::all_reduce_twoshot(const char* in, char* out, const OpDesc& desc, 
 
 void ShmComm::reduce_scatter(uintptr_t input, uintptr_t output, int64_t chunk_numel, int dtype, int redop,
                              double timeout_s) {
-  OpScope scope(caller_, "reduce_scatter", rank_);
+  OpScope scope(caller_, state_, "reduce_scatter", rank_);
+  const auto windows = lock_windows();
   check_numel("reduce_scatter", chunk_numel);
   const DType dt = to_dtype(dtype);
   to_redop(redop);
@@ -140,7 +142,8 @@ void ShmComm::reduce_scatter(uintptr_t input, uintptr_t output, int64_t chunk_nu
 }
 
 void ShmComm::all_gather(uintptr_t input, uintptr_t output, int64_t chunk_numel, int dtype, double timeout_s) {
-  OpScope scope(caller_, "all_gather", rank_);
+  OpScope scope(caller_, state_, "all_gather", rank_);
+  const auto windows = lock_windows();
   check_numel("all_gather", chunk_numel);
   const DType dt = to_dtype(dtype);
   const auto* in = reinterpret_cast<const char*>(input);
@@ -174,7 +177,8 @@ void ShmComm::all_gather(uintptr_t input, uintptr_t output, int64_t chunk_numel,
 }
 
 void ShmComm::broadcast(uintptr_t buffer, int64_t numel, int dtype, int root, double timeout_s) {
-  OpScope scope(caller_, "broadcast", rank_);
+  OpScope scope(caller_, state_, "broadcast", rank_);
+  const auto windows = lock_windows();
   check_numel("broadcast", numel);
   const DType dt = to_dtype(dtype);
   if (root < 0 || root >= world_size_)
@@ -203,7 +207,7 @@ void ShmComm::broadcast(uintptr_t buffer, int64_t numel, int dtype, int root, do
 }
 
 void ShmComm::barrier(double timeout_s) {
-  OpScope scope(caller_, "barrier", rank_);
+  OpScope scope(caller_, state_, "barrier", rank_);
   barrier_round("barrier", timeout_s);
 }
 

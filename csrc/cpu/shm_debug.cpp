@@ -8,9 +8,13 @@
 
 namespace ringcomm {
 
-void ShmComm::debug_post(const OpDesc& desc) { post(&desc); }
+void ShmComm::debug_post(const OpDesc& desc) {
+  OpScope scope(caller_, state_, "_debug_post", rank_);
+  post(&desc);
+}
 
 void ShmComm::debug_store(const std::string& field, int64_t value) {
+  OpScope scope(caller_, state_, "_debug_store", rank_);
   RankHeader* mine = header(rank_);
   if (field == "posted") {
     mine->posted.value.store(static_cast<uint64_t>(value), std::memory_order_release);

@@ -26,13 +26,18 @@ void ShmComm::register_window(int64_t id, const std::vector<uintptr_t>& bases, c
     throw std::invalid_argument("shm: register_window needs one base and size per rank");
   WindowTable table{id, std::vector<char*>(world_size_), nbytes};
   for (int r = 0; r < world_size_; ++r) table.bases[r] = reinterpret_cast<char*>(bases[r]);
+  const std::lock_guard<std::mutex> lock(windows_mutex_);
   windows_.push_back(std::move(table));
+  num_windows_.fetch_add(1, std::memory_order_release);
 }
 
+// Waits for the op in flight, if it may read windows (it holds windows_mutex_).
 void ShmComm::unregister_window(int64_t id) {
+  const std::lock_guard<std::mutex> lock(windows_mutex_);
   for (size_t i = 0; i < windows_.size(); ++i) {
     if (windows_[i].id == id) {
       windows_.erase(windows_.begin() + static_cast<long>(i));
+      num_windows_.fetch_sub(1, std::memory_order_release);
       return;
     }
   }

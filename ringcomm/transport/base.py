@@ -37,4 +37,14 @@ class Transport(Protocol):
 
     def barrier(self) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Refuses new calls, waits up to timeout_s (None: the group's timeout) for
+        the calls in flight, aborts them past that, then releases what the
+        transport holds. Safe from any thread, idempotent. Returns whether the
+        calls in flight ended by themselves."""
+        ...
+
+    def abort(self) -> None:
+        """Makes the calls in flight fail ("aborted") and refuses later ones, then
+        releases what the transport holds. Safe from any thread, idempotent."""
+        ...

@@ -302,9 +302,19 @@ class HierarchicalTransport:
             with self._step("barrier", step, f"{what} barrier"):
                 level.barrier()
 
-    def close(self) -> None:
-        self.local.close()
-        self.cross.close()
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Closes both levels (see their close); whether both ended by themselves."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        drained = self.local.close(timeout_s) & self.cross.close(timeout_s)
+        self._shutdown_cross_pg()
+        return drained
+
+    def abort(self) -> None:
+        self.local.abort()
+        self.cross.abort()
+        self._shutdown_cross_pg()
+
+    def _shutdown_cross_pg(self) -> None:
         if self._cross_pg is not None:
             self._cross_pg.shutdown()
             self._cross_pg = None

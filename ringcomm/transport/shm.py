@@ -154,9 +154,16 @@ class ShmTransport:
     def barrier(self) -> None:
         self._comm.barrier(self.timeout_s)
 
-    def close(self) -> None:
-        self._comm = None
-        self.handle = None
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Refuses new calls, waits up to timeout_s (default: the group's timeout)
+        for the one in flight, aborts it past that, and unmaps the segment; safe
+        from any thread ([Note: close and abort] in csrc/cpu/shm_lifecycle.cpp).
+        Returns whether the call in flight ended by itself."""
+        return self._comm.close(self.timeout_s if timeout_s is None else timeout_s)
+
+    def abort(self) -> None:
+        """The call in flight fails at once ("aborted"); later calls are refused."""
+        self._comm.abort()
 
 
 def _publish(store: dist.Store, key: str, name: str) -> None:
@@ -207,6 +214,6 @@ def _confirm_setup(comm: _C.ShmComm, op: str, timeout_s: float) -> None:
 
 def _forget_window(transport_ref: weakref.ref, window_id: int, peers: dict) -> None:
     transport = transport_ref()
-    if transport is not None and transport._comm is not None:
+    if transport is not None:
         transport._comm.unregister_window(window_id)
     peers.clear()

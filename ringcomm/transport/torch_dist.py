@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .. import ring, schedule
+from .lifecycle import CallGate
 from .process import process_state
 from ..ops import ReduceOp, dtype_code
 
@@ -42,8 +43,9 @@ class _PendingTransfer:
 class _P2PLink:
     """ring.Link over a process group's send/recv (group-local ranks)."""
 
-    def __init__(self, pg: dist.ProcessGroup, timeout_s: float, diagnosis: _Diagnosis) -> None:
+    def __init__(self, pg: dist.ProcessGroup, timeout_s: float, diagnosis: _Diagnosis, gate: CallGate) -> None:
         self.pg = pg
+        self.gate = gate
         self.rank, self.world_size = pg.rank(), pg.size()
         self.left = schedule.left(self.rank, self.world_size)
         self.right = schedule.right(self.rank, self.world_size)
@@ -65,6 +67,7 @@ class _P2PLink:
 
     def run(self, call, op: str, step: int, what: str):
         """Runs a process-group call; its failure becomes a RuntimeError naming op, step and peers."""
+        self.gate.check(op, step, self.world_size - 1)
         try:
             return call()
         except Exception as err:  # gloo/NCCL raise RuntimeError or DistBackendError
@@ -128,7 +131,8 @@ class TorchDistTransport:
         self.rank, self.world_size = pg.rank(), pg.size()
         self.timeout_s = timeout_s
         self.options = options
-        self._link = _P2PLink(pg, timeout_s, _Diagnosis(store, self.rank, self.world_size))
+        self._gate = CallGate(self.rank)
+        self._link = _P2PLink(pg, timeout_s, _Diagnosis(store, self.rank, self.world_size), self._gate)
         self._scratch = ring.Scratch()
 
     def supports(self, tensor: torch.Tensor) -> bool:
@@ -163,42 +167,66 @@ class TorchDistTransport:
             )
 
     def all_reduce(self, input: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> None:
-        input, output = input.view(-1), output.view(-1)
-        self._check_call("all_reduce", input, input.numel(), redop=int(op))
-        chunks = schedule.chunk_bounds(input.numel(), self.world_size)
-        own = chunks[self.rank]
-        # In place is safe: the ring writes output's own chunk only in its last step,
-        # element by element from the same elements of input.
-        ring.reduce_scatter(self._link, input, chunks, op, self._segment_numel(input), output[own.begin:own.end],
-                            name="all_reduce", scratch=self._scratch)
-        ring.all_gather(self._link, output, chunks, self._segment_numel(output), name="all_reduce")
+        with self._gate.call("all_reduce"):
+            input, output = input.view(-1), output.view(-1)
+            self._check_call("all_reduce", input, input.numel(), redop=int(op))
+            chunks = schedule.chunk_bounds(input.numel(), self.world_size)
+            own = chunks[self.rank]
+            # In place is safe: the ring writes output's own chunk only in its last step,
+            # element by element from the same elements of input.
+            ring.reduce_scatter(self._link, input, chunks, op, self._segment_numel(input), output[own.begin:own.end],
+                                name="all_reduce", scratch=self._scratch)
+            ring.all_gather(self._link, output, chunks, self._segment_numel(output), name="all_reduce")
 
     def reduce_scatter(self, input: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> None:
-        input, output = input.view(-1), output.view(-1)
-        self._check_call("reduce_scatter", input, output.numel(), redop=int(op))
-        chunks = schedule.equal_chunks(output.numel(), self.world_size)
-        ring.reduce_scatter(self._link, input, chunks, op, self._segment_numel(input), output, scratch=self._scratch)
+        with self._gate.call("reduce_scatter"):
+            input, output = input.view(-1), output.view(-1)
+            self._check_call("reduce_scatter", input, output.numel(), redop=int(op))
+            chunks = schedule.equal_chunks(output.numel(), self.world_size)
+            ring.reduce_scatter(self._link, input, chunks, op, self._segment_numel(input), output, scratch=self._scratch)
 
     def all_gather(self, input: torch.Tensor, output: torch.Tensor) -> None:
-        input, output = input.view(-1), output.view(-1)
-        self._check_call("all_gather", input, input.numel())
-        chunks = schedule.equal_chunks(input.numel(), self.world_size)
-        own = output[chunks[self.rank].begin:chunks[self.rank].end]
-        if own.data_ptr() != input.data_ptr():
-            own.copy_(input)
-        ring.all_gather(self._link, output, chunks, self._segment_numel(output))
+        with self._gate.call("all_gather"):
+            input, output = input.view(-1), output.view(-1)
+            self._check_call("all_gather", input, input.numel())
+            chunks = schedule.equal_chunks(input.numel(), self.world_size)
+            own = output[chunks[self.rank].begin:chunks[self.rank].end]
+            if own.data_ptr() != input.data_ptr():
+                own.copy_(input)
+            ring.all_gather(self._link, output, chunks, self._segment_numel(output))
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
-        self._check_call("broadcast", tensor, tensor.numel(), root=root)
-        if self.world_size > 1 and tensor.numel() > 0:
-            options = dist.BroadcastOptions()
-            options.rootRank = root
-            what = f"broadcasting from root {root}"
-            self._link.wait(self._link.run(lambda: self.pg.broadcast([tensor], options), "broadcast", 0, what),
-                            "broadcast", 0, what)
+        with self._gate.call("broadcast"):
+            self._check_call("broadcast", tensor, tensor.numel(), root=root)
+            if self.world_size > 1 and tensor.numel() > 0:
+                options = dist.BroadcastOptions()
+                options.rootRank = root
+                what = f"broadcasting from root {root}"
+                self._link.wait(self._link.run(lambda: self.pg.broadcast([tensor], options), "broadcast", 0, what),
+                                "broadcast", 0, what)
 
     def barrier(self) -> None:
-        self._check_call("barrier", None, 0, always=True)
+        with self._gate.call("barrier"):
+            self._check_call("barrier", None, 0, always=True)
 
-    def close(self) -> None:
+    # [Note: torch_dist abort] gloo cannot interrupt a send or recv that a thread
+    # waits on (its abort and shutdown leave the wait running, and its send/recv
+    # Works have no future to wait on instead), so an abort here takes effect at
+    # the call's next transfer: the call fails there, and once no call is in
+    # flight the transport drops its process group, whose connections close, so
+    # a peer blocked on this rank fails at once ("Connection closed by peer").
+    # A transfer already blocked on a live peer that never answers still ends at
+    # the group's timeout.
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Refuses new calls, waits up to timeout_s (default: the group's timeout)
+        for those in flight, aborts them past that; releases the process group
+        once none is in flight. Returns whether they ended by themselves."""
+        return self._gate.close(self.timeout_s if timeout_s is None else timeout_s, self._release)
+
+    def abort(self) -> None:
+        """The calls in flight fail at their next transfer ([Note: torch_dist abort]); later calls are refused."""
+        self._gate.abort(self._release)
+
+    def _release(self) -> None:
+        self.pg = None
         self._link = None

@@ -1,0 +1,110 @@
+// How a shared-memory comm stops: close, abort, and what peers see of it.
+//
+// [Note: close and abort] A comm may be closed or aborted from any thread,
+// also while another thread is inside one of its collectives (a watchdog, a
+// signal handler, torch's destroy_process_group). Memory safety does not
+// depend on timing: Python reaches the comm through a shared_ptr (the pybind11
+// holder and the lean calls' capsule), and a running call holds its capsule,
+// so the segment stays mapped until the last call returns. What close and
+// abort decide is what the call in flight sees:
+//   close(t)  the state becomes kClosing, so new calls are refused ("closed");
+//             it waits up to t seconds for the call in flight (OpScope) to end
+//             by itself, else aborts it; then the state is kClosed (kAborted).
+//   abort()   the state becomes kAborted; the call in flight fails at its next
+//             wait (within a spin slice or one 10 ms futex sleep; abort wakes
+//             the sleepers) with a RuntimeError naming op, rank and step and
+//             saying "aborted"; later calls are refused ("aborted").
+// Then, with no call in flight, the segment is unmapped (else the destructor
+// does it). Either way this rank writes its final state into its header, so a peer
+// waiting on it fails within its liveness check (20 ms) naming this rank,
+// instead of at its deadline. A collective that one rank aborts leaves its
+// results undefined on every rank, as NCCL's ncclCommAbort does.
+#include <chrono>
+#include <thread>
+
+#include "shm.h"
+#include "shm_map.h"
+
+namespace ringcomm {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// How long an aborted call may take to reach its next wait before the segment
+// stays mapped for the comm's destructor to unmap.
+constexpr auto kAbortGrace = std::chrono::seconds(1);
+
+const char* left_as(int32_t state) {
+  return state == static_cast<int32_t>(CommState::kAborted) ? "aborted" : "closed";
+}
+
+}  // namespace
+
+bool ShmComm::close(double timeout_s) {
+  const std::lock_guard<std::mutex> lock(lifecycle_mutex_);
+  int32_t expected = static_cast<int32_t>(CommState::kOpen);
+  state_.compare_exchange_strong(expected, static_cast<int32_t>(CommState::kClosing), std::memory_order_seq_cst);
+  const auto timeout = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+  const bool drained = wait_idle(Clock::now() + timeout);
+  const bool closed = leave(drained ? CommState::kClosed : CommState::kAborted);
+  if (drained || wait_idle(Clock::now() + kAbortGrace)) unmap();
+  return closed;
+}
+
+void ShmComm::abort() {
+  const std::lock_guard<std::mutex> lock(lifecycle_mutex_);
+  leave(CommState::kAborted);
+  if (wait_idle(Clock::now() + kAbortGrace)) unmap();
+}
+
+// Whether no call is in flight by `deadline`.
+bool ShmComm::wait_idle(Clock::time_point deadline) const {
+  while (caller_.load(std::memory_order_seq_cst) != 0) {
+    if (Clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  return true;
+}
+
+// Unmaps the segment; every later call is refused by OpScope before it touches it.
+void ShmComm::unmap() {
+  if (base_ == nullptr) return;
+  unmap_segment(base_, mapped_nbytes_);
+  base_ = nullptr;
+}
+
+// Records how this rank left (the first final state stays) and wakes every
+// sleeper that should notice. Returns whether it left closed.
+bool ShmComm::leave(CommState how) {
+  int32_t now = state_.load(std::memory_order_seq_cst);
+  while (now != static_cast<int32_t>(CommState::kClosed) && now != static_cast<int32_t>(CommState::kAborted) &&
+         !state_.compare_exchange_weak(now, static_cast<int32_t>(how), std::memory_order_seq_cst)) {
+  }
+  if (now == static_cast<int32_t>(CommState::kClosed) || now == static_cast<int32_t>(CommState::kAborted))
+    return now == static_cast<int32_t>(CommState::kClosed);
+  header(rank_)->state.store(static_cast<int32_t>(how), std::memory_order_release);
+  wake_all();
+  return how == CommState::kClosed;
+}
+
+void ShmComm::check_aborted(const StepInfo& step, uint64_t round) {
+  if (state_.load(std::memory_order_relaxed) != static_cast<int32_t>(CommState::kAborted)) return;
+  fail(std::string(step.op) + ": rank " + std::to_string(rank_) + " at step " + std::to_string(step.step) + "/" +
+       std::to_string(step.num_steps) + " (round " + std::to_string(round) +
+       "): aborted (the group was aborted, or closed past its timeout, from another thread)");
+}
+
+// A peer's header is not trusted (see [Note: shm trust]): any value but the two
+// final states is ignored.
+void ShmComm::check_peer_left(int peer, const std::string& where) {
+  const int32_t theirs = header(peer)->state.load(std::memory_order_acquire);
+  if (theirs == static_cast<int32_t>(CommState::kClosed) || theirs == static_cast<int32_t>(CommState::kAborted))
+    fail(where + ": rank " + std::to_string(peer) + " " + left_as(theirs) + " the group");
+}
+
+std::unique_lock<std::mutex> ShmComm::lock_windows() {
+  if (num_windows_.load(std::memory_order_acquire) == 0) return {};
+  return std::unique_lock<std::mutex>(windows_mutex_);
+}
+
+}  // namespace ringcomm
