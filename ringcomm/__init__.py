@@ -6,7 +6,7 @@ from . import process_group
 from .buffer import FlatBuffer, GradBucket, flat_buffers, transport_allocator
 from .coalesced import all_gather_coalesced, reduce_scatter_coalesced
 from .collectives import all_gather, all_reduce, barrier, broadcast, empty, reduce_scatter
-from .group import Group, GroupOptions, create_group, default_group, destroy_default_group, new_group
+from .group import Group, GroupOptions, GroupState, create_group, default_group, destroy_default_group, new_group
 from .launch import OverlapReport
 from .layout import BufferLayout, BucketSpan, ParamSlot, plan_buckets, plan_groups, plan_module_buckets
 from .ops import ReduceOp
@@ -16,7 +16,7 @@ from .transport.torch_dist import TorchDistOptions
 from .work import Work
 
 __all__ = [
-    "BucketScheduler", "BucketSpan", "BufferLayout", "FlatBuffer", "GradBucket", "Group", "GroupOptions",
+    "BucketScheduler", "BucketSpan", "BufferLayout", "FlatBuffer", "GradBucket", "Group", "GroupOptions", "GroupState",
     "OverlapReport", "ParamSlot", "ReduceOp", "ShmOptions", "TorchDistOptions", "Work", "all_gather",
     "all_gather_coalesced", "all_reduce", "barrier", "broadcast", "create_group", "default_group",
     "destroy_default_group", "empty", "flat_buffers", "new_group", "plan_buckets", "plan_groups",

@@ -154,7 +154,7 @@ class ShmComm {
   [[noreturn]] void fail_flag(int peer, FlagKind kind, uint64_t value, uint64_t limit, const StepInfo& step);
   [[noreturn]] void fail(const std::string& message);
   bool peer_exited(int peer) const;
-  void check_peer_left(int peer, const std::string& where);
+  void check_peer_left(int peer, const std::string& where, bool aborted_only = false);
   void check_aborted(const StepInfo& step, uint64_t round);
   bool leave(CommState how);
   bool wait_idle(std::chrono::steady_clock::time_point deadline) const;

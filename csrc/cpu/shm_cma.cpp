@@ -75,6 +75,8 @@ std::string ShmComm::setup_cma(double timeout_s) {
 void ShmComm::cma_read(const StepInfo& step, int peer, char* dst, const char* src, int64_t nbytes) {
   const int err = read_process(peer_pids_[peer], dst, src, nbytes);
   if (err == 0) return;
+  check_peer_left(peer, std::string(step.op) + ": rank " + std::to_string(rank_) + " reading rank " +
+                            std::to_string(peer) + "'s buffer");
   fail(std::string(step.op) + ": rank " + std::to_string(rank_) + " at step " + std::to_string(step.step) + "/" +
        std::to_string(step.num_steps) + ": reading " + std::to_string(nbytes) + " bytes of rank " +
        std::to_string(peer) + "'s buffer (pid " + std::to_string(peer_pids_[peer]) + ") by process_vm_readv failed: " +

@@ -73,32 +73,33 @@ void ShmComm::unmap() {
   base_ = nullptr;
 }
 
-// Records how this rank left (the first final state stays) and wakes every
-// sleeper that should notice. Returns whether it left closed.
+// Records how this rank left (the first final state stays; the caller holds
+// lifecycle_mutex_) and wakes every sleeper that should notice. The header is
+// written before the state, so a peer that sees anything this rank's caller did
+// after the call failed also sees that this rank left. Returns whether it left closed.
 bool ShmComm::leave(CommState how) {
-  int32_t now = state_.load(std::memory_order_seq_cst);
-  while (now != static_cast<int32_t>(CommState::kClosed) && now != static_cast<int32_t>(CommState::kAborted) &&
-         !state_.compare_exchange_weak(now, static_cast<int32_t>(how), std::memory_order_seq_cst)) {
-  }
-  if (now == static_cast<int32_t>(CommState::kClosed) || now == static_cast<int32_t>(CommState::kAborted))
-    return now == static_cast<int32_t>(CommState::kClosed);
-  header(rank_)->state.store(static_cast<int32_t>(how), std::memory_order_release);
+  const CommState now = state();
+  if (now == CommState::kClosed || now == CommState::kAborted) return now == CommState::kClosed;
+  header(rank_)->state.store(static_cast<int32_t>(how), std::memory_order_seq_cst);
+  state_.store(static_cast<int32_t>(how), std::memory_order_seq_cst);
   wake_all();
   return how == CommState::kClosed;
 }
 
 void ShmComm::check_aborted(const StepInfo& step, uint64_t round) {
-  if (state_.load(std::memory_order_relaxed) != static_cast<int32_t>(CommState::kAborted)) return;
+  if (state_.load(std::memory_order_acquire) != static_cast<int32_t>(CommState::kAborted)) return;
   fail(std::string(step.op) + ": rank " + std::to_string(rank_) + " at step " + std::to_string(step.step) + "/" +
        std::to_string(step.num_steps) + " (round " + std::to_string(round) +
        "): aborted (the group was aborted, or closed past its timeout, from another thread)");
 }
 
 // A peer's header is not trusted (see [Note: shm trust]): any value but the two
-// final states is ignored.
-void ShmComm::check_peer_left(int peer, const std::string& where) {
+// final states is ignored. `aborted_only`: a peer that closed has finished the
+// calls it made (close waits for them), so only an abort can spoil this one.
+void ShmComm::check_peer_left(int peer, const std::string& where, bool aborted_only) {
   const int32_t theirs = header(peer)->state.load(std::memory_order_acquire);
-  if (theirs == static_cast<int32_t>(CommState::kClosed) || theirs == static_cast<int32_t>(CommState::kAborted))
+  if ((theirs == static_cast<int32_t>(CommState::kClosed) && !aborted_only) ||
+      theirs == static_cast<int32_t>(CommState::kAborted))
     fail(where + ": rank " + std::to_string(peer) + " " + left_as(theirs) + " the group");
 }
 

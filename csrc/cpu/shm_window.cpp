@@ -155,10 +155,14 @@ void ShmComm::reduce_peers(const StepInfo& step, char* dst, const char* const* s
   }
 }
 
+// Also the end of a direct-access op: a peer that aborted meanwhile may have let
+// its caller change the buffer this rank read, so the result is refused.
 void ShmComm::wait_consumed(const StepInfo& step) {
   for (int peer = 0; peer < world_size_; ++peer)
     if (peer != rank_)
       seen_consumed_[peer] = wait_for(peer, FlagKind::kConsumed, seq_, step, "finish reading this rank's buffer");
+  for (int peer = 0; peer < world_size_; ++peer)
+    if (peer != rank_) check_peer_left(peer, std::string(step.op) + ": rank " + std::to_string(rank_) + " at the end", true);
 }
 
 // Round 1: each rank reduces its chunk from every rank's input into its output.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import threading
+import traceback
 from collections.abc import Callable, Iterator
 
 
@@ -46,6 +47,12 @@ class CallGate:
             self._in_flight += 1
         try:
             yield
+        except BaseException as err:
+            # The failed call's frames hold its process-group Works, which keep the
+            # group's connections open after close releases it: a peer blocked on
+            # this rank would wait for its timeout instead of failing at once.
+            _clear_frames(err)
+            raise
         finally:
             with self._cond:
                 self._in_flight -= 1
@@ -92,3 +99,13 @@ class CallGate:
         release, self._release = self._release, None
         self._released = True
         return release
+
+
+def _clear_frames(err: BaseException) -> None:
+    """Drops the locals of the finished frames in `err`'s traceback and in those of
+    its causes (the traceback still names every line)."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        traceback.clear_frames(err.__traceback__)
+        err = err.__cause__ or err.__context__

@@ -228,5 +228,7 @@ class TorchDistTransport:
         self._gate.abort(self._release)
 
     def _release(self) -> None:
+        """Drops every reference to the process group (its owner shuts it down), so
+        that its connections close once no failed call's frames hold its Works."""
+        self._link.pg = None
         self.pg = None
-        self._link = None

@@ -1,0 +1,229 @@
+"""Close, abort and destroy from another thread while a collective runs, on both
+transports and through the backend: no crash (each rank is a process of its
+own, so a SIGSEGV fails the test), no hang, the documented error ([Note: group
+lifetime] in ringcomm/group.py), and default groups that follow torch's world."""
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ringcomm
+from harness import run_ranks
+from lifecycle_stress import DOCUMENTED, PATHS, resources, stress
+
+LATE_S = 0.4  # rank 1 joins the collective this late, so rank 0 is inside it
+KILL_AT_S = 0.15  # when rank 0's second thread closes or aborts
+NUMEL = 1 << 20
+
+
+def _call(op: str, group) -> torch.Tensor:
+    """One collective of `op` on `group` (a ringcomm.Group, a ProcessGroup or None); returns its result."""
+    world_size = dist.get_world_size()
+    x = torch.full((NUMEL,), dist.get_rank() + 1.0)
+    if op == "all_reduce":
+        ringcomm.all_reduce(x, group=group)
+        return x
+    if op == "reduce_scatter":
+        out = torch.empty(NUMEL // world_size)
+        ringcomm.reduce_scatter(out, x, group=group)
+        return out
+    if op == "all_gather":
+        out = torch.empty(NUMEL * world_size)
+        ringcomm.all_gather(out, x, group=group)
+        return out[::NUMEL]  # chunk r holds rank r's value
+    dist.all_reduce(x, group=group)  # the backend
+    return x
+
+
+def _expected(op: str, world_size: int) -> list[float]:
+    """The distinct values of _call's result, ascending."""
+    if op == "all_gather":
+        return [float(r + 1) for r in range(world_size)]
+    return [world_size * (world_size + 1) / 2]
+
+
+# (how the group is made, the collective, how the second thread stops it)
+CASES = [("new_group", op, kill) for op in ("all_reduce", "reduce_scatter", "all_gather") for kill in ("close", "abort")]
+CASES += [("default", "all_reduce", "destroy_default_group")]
+CASES += [("backend", "backend", kill) for kill in ("destroy_process_group", "shutdown", "abort")]
+
+
+def _make(how: str, transport: str):
+    if how == "new_group":
+        return ringcomm.new_group(transport=transport, timeout=20)
+    if how == "default":
+        ringcomm.default_group()
+        return None
+    return dist.new_group(backend="ringcomm", timeout=timedelta(seconds=20))
+
+
+def _kill(kill: str, group) -> None:
+    if kill == "destroy_default_group":
+        ringcomm.destroy_default_group()
+    elif kill == "destroy_process_group":
+        dist.destroy_process_group(group)
+    else:
+        getattr(group, kill)()
+
+
+def stop_mid_call(rank, world_size, transport):
+    os.environ["RINGCOMM_TRANSPORT"] = transport  # the backend's and the default group too
+    report = []
+    for how, op, kill in CASES:
+        case = f"{transport} {how} {op} {kill}"
+        group = _make(how, transport)
+        dist.barrier()
+        start = time.monotonic()
+        outcome: list = []
+        if rank == 0:
+            killer = threading.Timer(KILL_AT_S, _kill, (kill, group))
+            killer.start()
+        else:
+            time.sleep(LATE_S)
+        try:
+            outcome.append(_call(op, group))
+        except RuntimeError as err:
+            outcome.append(err)
+        elapsed = time.monotonic() - start
+        if rank == 0:
+            killer.join()
+        result = outcome[0]
+        aborted = kill == "abort"
+        if isinstance(result, torch.Tensor):
+            # close / shutdown / destroy wait for the call in flight, which ends right
+            assert not (aborted and rank == 0), f"{case}: rank 0's call was aborted but returned"
+            assert result.unique().tolist() == _expected(op, world_size), f"{case}: rank {rank} got {result.unique()}"
+        else:
+            assert DOCUMENTED.search(str(result)), f"{case}: rank {rank}: undocumented error {result}"
+            assert aborted, f"{case}: rank {rank}: a graceful {kill} failed the call in flight: {result}"
+            if rank == 0 and transport == "shm":
+                assert elapsed < KILL_AT_S + 0.2, f"{case}: the call ended {elapsed:.2f} s after start, not at once"
+        assert elapsed < LATE_S + 2.0, f"{case}: rank {rank}: the call took {elapsed:.1f} s"
+        # Afterwards the stopped group refuses calls; the default group is made anew.
+        if how == "new_group" or (how == "backend" and kill != "destroy_process_group"):
+            if rank == 0:
+                with pytest.raises(RuntimeError, match=r"the group is (closed|aborted)"):
+                    _call(op, group)
+            else:
+                _kill("close" if how == "new_group" else "shutdown", group)
+        if how == "backend":
+            if kill != "destroy_process_group" or rank == 1:
+                dist.destroy_process_group(group)
+        if how == "default":
+            if rank == 1:
+                ringcomm.destroy_default_group()
+            assert ringcomm.default_group().state is ringcomm.GroupState.OPEN, f"{case}: a stale default group"
+            ringcomm.destroy_default_group()
+        report.append((case, type(result).__name__, round(elapsed, 2)))
+    return report
+
+
+@pytest.mark.parametrize("transport", ["shm", "torch_dist"])
+def test_stop_from_another_thread_mid_call(transport):
+    run_ranks(stop_mid_call, 2, transport, timeout=180)
+
+
+def torch_dist_close_error(rank, world_size):
+    """A closed torch_dist group refuses a call clearly (it raised AttributeError)."""
+    group = ringcomm.new_group(transport="torch_dist", timeout=10)
+    group.transport.close()  # the transport alone, under the group: a call in flight sees this
+    with pytest.raises(RuntimeError, match=f"all_reduce: rank {rank}: the group is closed"):
+        ringcomm.all_reduce(torch.ones(4), group=group)
+    group.close()
+
+
+def test_closed_torch_dist_transport_refuses_clearly():
+    run_ranks(torch_dist_close_error, 2)
+
+
+CYCLES = 50
+
+
+def default_group_cycles(rank, world_size, folder):
+    """init / use the default group / destroy, CYCLES times: nothing accumulates,
+    and each world gets a group of its own."""
+    dist.destroy_process_group()  # the harness's world; each cycle makes its own
+
+    def cycle(index: int) -> ringcomm.Group:
+        dist.init_process_group("gloo", init_method=f"file://{folder}/world{index}", rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=30))
+        x = torch.ones(8)
+        ringcomm.all_reduce(x)
+        assert torch.all(x == world_size), f"rank {rank} cycle {index}: {x}"
+        group = ringcomm.default_group()
+        dist.destroy_process_group()
+        return group
+
+    previous = cycle(0)  # first use loads what stays loaded
+    before = resources()
+    for index in range(1, CYCLES + 1):
+        group = cycle(index)
+        assert group is not previous, f"rank {rank} cycle {index}: the last world's default group came back"
+        assert previous.state is ringcomm.GroupState.CLOSED, f"rank {rank}: the destroyed world's group is open"
+        previous = group
+    after = resources()
+    grown = {k: (before[k], after[k]) for k in after if after[k] > before[k] + 2}
+    assert not grown, f"rank {rank}: {CYCLES} init/destroy cycles grew {grown}"
+    return before, after
+
+
+def test_default_group_follows_the_world(tmp_path):
+    run_ranks(default_group_cycles, 2, str(tmp_path), timeout=240)
+
+
+STRESS_CYCLES = {"shm": 25, "torch_dist": 6}  # per path; benchmarks/lifecycle_soak.py runs 200
+
+
+def stress_every_path(rank, world_size, transport):
+    results = {}
+    for seed, path in enumerate(PATHS):
+        results[path] = stress(rank, world_size, path, transport, STRESS_CYCLES[transport], seed)
+    for path, result in results.items():
+        outcome = result["outcome"]
+        assert not outcome["failures"], f"rank {rank} {transport} {path}: {outcome['failures'][:3]}"
+        assert outcome["cycles"] == STRESS_CYCLES[transport] + 1
+        grown = {k: v for k, v in result["after"].items() if v > result["before"][k] + 2}
+        assert not grown, f"rank {rank} {transport} {path}: grew {grown}: {result}"
+    return results
+
+
+@pytest.mark.parametrize("transport", ["shm", "torch_dist"])
+def test_close_and_abort_at_random_moments(transport):
+    run_ranks(stress_every_path, 2, transport, timeout=240)
+
+
+def windows_freed_while_in_use(rank, world_size):
+    """Window tensors die (their finalizers unregister them, on this thread) while
+    the comm thread runs collectives on another window: no crash, right results."""
+    group = ringcomm.new_group(transport="shm", timeout=20)
+    spare = [ringcomm.empty(1 << 12, group=group) for _ in range(40)]
+    used = ringcomm.empty(1 << 16, group=group)
+    for round_ in range(40):
+        used.fill_(rank + 1.0)
+        works = [ringcomm.all_reduce(part, group=group, async_op=True) for part in used.split(1 << 12)]
+        spare.pop()  # unregisters a window while the comm thread reads the registry
+        for work in works:
+            work.wait()
+        assert torch.all(used == world_size * (world_size + 1) / 2), f"rank {rank} round {round_}"
+    group.close()
+
+
+def test_window_freed_while_the_comm_thread_reads_the_registry():
+    run_ranks(windows_freed_while_in_use, 2)
+
+
+def test_documented_errors_are_what_the_code_says():
+    """The stress tests' pattern matches the messages the code raises."""
+    for message in ("all_reduce: rank 0: the group is closed", "all_reduce: rank 0: the group is aborted",
+                    "all_reduce: rank 1 at step 0/1 (round 4): aborted (the group was aborted, ...)",
+                    "all_reduce: rank 0 ... waiting for rank 1 to post its data: rank 1 closed the group"):
+        assert DOCUMENTED.search(message), message
+    assert not DOCUMENTED.search("all_reduce: rank 0 ...: Timed out after 10 s")
+    assert not re.search(DOCUMENTED, "'NoneType' object has no attribute 'rank'")
