@@ -88,6 +88,11 @@ class ShardSwap:
     def disk_nbytes(self) -> int:
         return self.file.nbytes
 
+    def close(self) -> None:
+        """Ends the I/O threads and closes the swap file (idempotent)."""
+        self.io.close()
+        self.file.close()
+
     @property
     def offload_host_nbytes(self) -> int:
         return sum(b.numel() for b in self.free) + sum(b.numel() for b in self.in_use.values())
@@ -235,10 +240,13 @@ class NvmeParamGroup(HostParamGroup):
             self.states.release(self.optimizer, write_back=write_back)
 
     def close(self) -> None:
-        for part in (self.states, self.shards):
-            if part is not None:
-                part.io.close()
-                part.file.close()
+        """Also ends the swappers' I/O threads and closes their swap files."""
+        try:
+            for part in (self.states, self.shards):
+                if part is not None:
+                    part.close()
+        finally:
+            super().close()
 
 
 class Float32Grads(Sequence):

@@ -234,5 +234,6 @@ class NvmeStates:
             bucket.master = None
 
     def close(self) -> None:
+        """Ends the I/O threads and closes the swap file (idempotent)."""
         self.io.close()
         self.file.close()

@@ -151,6 +151,11 @@ class ParamGroup:
         """Gradient hooks, in registration order (it fixes the launch order)."""
         self.scheduler.register_hooks(params)
 
+    def close(self) -> None:
+        """Removes the gradient hooks; offload also releases its files and
+        threads. Idempotent (engine.destroy())."""
+        self.scheduler.remove_hooks()
+
     # ---- verbs: stage 3 gathering ---------------------------------------------------
     def start_unshard(self, bucket: ZeroBucket) -> None:
         if bucket.full is None and bucket.gather is None:
