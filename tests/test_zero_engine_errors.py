@@ -1,16 +1,21 @@
 """The engine's lifecycle and error paths: destroy() releases the swap files,
-I/O threads and hooks (idempotent)."""
+I/O threads and hooks (idempotent); GatheredParameters re-shards whatever fails."""
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import threading
+from collections.abc import Iterator
 
 import pytest
+import torch
 
 from harness import run_ranks
 from test_zero_offload import new_engine, run_steps
 from zero_reference import MICRO, make_batch
+
+import zero
 
 
 def swap_fds() -> list[str]:
@@ -54,3 +59,72 @@ def destroy_worker(rank: int, world_size: int, root: str) -> None:
 def test_destroy_releases_files_threads_and_hooks() -> None:
     with tempfile.TemporaryDirectory(prefix="zero-destroy-") as root:
         run_ranks(destroy_worker, 2, root, timeout=60)
+
+
+class Injected(RuntimeError):
+    pass
+
+
+def assert_resharded(engine, masters: list[torch.Tensor], case: str) -> None:
+    """No non-resident bucket is left gathered and the fp32 masters are `masters`."""
+    gathered = [b.full is not None for b in engine.parts.group.buckets if not b.span.resident]
+    assert not any(gathered), f"{case}: buckets left gathered: {gathered}"
+    assert all(p.numel() == 0 for p in engine.module.parameters() if not p.ds_bucket[1].span.resident), \
+        f"{case}: parameters left whole"
+    for i, (a, b) in enumerate(zip(engine.full_params_fp32(), masters, strict=True)):
+        assert torch.equal(a, b), f"{case}: master {i} changed"
+
+
+@contextlib.contextmanager
+def failing(obj: object, name: str, *, on_call: int = 1) -> Iterator[None]:
+    """obj.name raises Injected from its `on_call`-th call on (earlier calls go through)."""
+    original, calls, own = getattr(obj, name), [], name in vars(obj)
+
+    def replacement(*args, **kwargs):
+        calls.append(args)
+        if len(calls) >= on_call:
+            raise Injected(f"{name} call {len(calls)}")
+        return original(*args, **kwargs)
+    setattr(obj, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(obj, name, original) if own else delattr(obj, name)
+
+
+def gathered_errors_worker(rank: int, world_size: int, root: str) -> None:
+    """GatheredParameters re-shards whatever fails (the body, the publish on
+    exit, the third gather on entry) and a failed body publishes nothing; see
+    [Note: leaving GatheredParameters]. Stage 3 under each offload."""
+    nvme_path = os.path.join(root, f"nvme-rank{rank}")
+    os.makedirs(nvme_path, exist_ok=True)
+    for optimizer, param in (("none", "none"), ("cpu", "cpu"), ("nvme", "none"), ("none", "nvme"), ("nvme", "nvme")):
+        case = f"rank {rank}/{world_size} stage 3 offload_optimizer {optimizer} offload_param {param}"
+        engine = new_engine(3, optimizer, world_size, nvme_path, param=param, init=True)
+        run_steps(engine, rank, world_size, range(1))
+        params, masters = list(engine.module.parameters()), engine.full_params_fp32()
+        with pytest.raises(Injected):
+            with zero.GatheredParameters(params, modifier_rank=0):
+                if rank == 0:
+                    for p in params:
+                        p.data.fill_(3.0)
+                raise Injected("body")
+        assert_resharded(engine, masters, f"{case}, the body raised")
+        with pytest.raises(Injected), failing(engine.parts.group.comm, "broadcast"):
+            with zero.GatheredParameters(params, modifier_rank=0):
+                pass
+        assert_resharded(engine, masters, f"{case}, the exit raised")
+        with pytest.raises(Injected), failing(engine.parts.group, "unshard", on_call=3):
+            with zero.GatheredParameters(params):
+                pass
+        assert_resharded(engine, masters, f"{case}, the entry raised")
+        with zero.GatheredParameters(params, modifier_rank=0):  # and the context still works
+            if rank == 0:
+                params[-1].data.fill_(0.5)
+        assert torch.equal(engine.full_params_fp32()[-1], torch.full_like(masters[-1], 0.5)), case
+        engine.destroy()
+
+
+def test_gathered_parameters_reshards_on_errors() -> None:
+    with tempfile.TemporaryDirectory(prefix="zero-errors-") as root:
+        run_ranks(gathered_errors_worker, 2, root, timeout=60)

@@ -21,7 +21,7 @@ import torch
 from .config import AioOptions, OffloadOptions
 from .nvme import NvmeStates, check_optimizer
 from .offload import HostParamGroup
-from .param_group import ZeroBucket
+from .param_group import ZeroBucket, fold_into_master
 from .swap import IOPool, SwapFile, aligned_empty, round_up
 
 
@@ -171,6 +171,18 @@ class NvmeParamGroup(HostParamGroup):
     def _release(self, bucket: ZeroBucket) -> None:
         if self.shards is not None and self.shards.release(bucket):
             bucket.shard = self.placeholder(bucket)
+
+    def adopt_owned_values(self, bucket: ZeroBucket, values: torch.Tensor) -> None:
+        """As ParamGroup's, with the master and the shard where they are swapped."""
+        with torch.no_grad():
+            if self.states is not None and not self.materialized:
+                self.states.fold_values(bucket.span.index, values)
+            else:
+                fold_into_master(bucket.master, values)
+            if self.shards is not None and self.shards.swapped(bucket):
+                self.shards.write(bucket, values)
+            else:
+                self.publish_target(bucket).copy_(values)
 
     # ---- the step ----------------------------------------------------------------------------
     def owned_grads_fp32(self) -> Sequence[torch.Tensor]:

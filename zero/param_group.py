@@ -178,6 +178,17 @@ class ParamGroup:
         bucket.full = None
         bucket.bind_params()
 
+    def adopt_owned_values(self, bucket: ZeroBucket, values: torch.Tensor) -> None:
+        """Stage 3, a gathered bucket: `values` (its chunk, the parameters' dtype)
+        are the parameters' new values (zero.GatheredParameters with a modifier
+        rank): they become the shard, and the fp32 master where they differ from
+        the master rounded. Offload overrides where the shard and master live."""
+        with torch.no_grad():
+            fold_into_master(bucket.master, values)
+            target = self.publish_target(bucket)
+            if target.data_ptr() != values.data_ptr():
+                target.copy_(values)
+
     def _after_launch(self, grads: GradBucket) -> None:
         self.reshard(self.buckets[grads.index])  # its gradients are in flight: the values can go
 
@@ -320,3 +331,12 @@ class ParamGroup:
                 out[index] = whole[span.begin:span.end].detach().clone().view(shape)
         self.comm.sent_nbytes = sent
         return [out[i] for i in sorted(out)]
+
+
+def fold_into_master(master: torch.Tensor, values: torch.Tensor) -> None:
+    """Writes `values` (16-bit or fp32, master's shape) into the fp32 `master`
+    where they differ from the master rounded to their dtype (a master offloaded
+    to the host takes a device model's values)."""
+    values = values.to(master.device)
+    differs = master.to(values.dtype) != values
+    master[differs] = values[differs].to(master.dtype)
