@@ -197,11 +197,17 @@ class ParamGroup:
         """Back-propagates; at a boundary (sharded gradients: every micro-step)
         the reduced gradient of each bucket's owned span is ready afterwards."""
         sync = self.policy.shard_grads or boundary
-        with contextlib.nullcontext() if sync else self.scheduler.no_sync():
-            scaled_loss.backward()
-            self.scheduler.finish()
-        for bucket in self.buckets:
-            self.reshard(bucket)
+        try:
+            with contextlib.nullcontext() if sync else self.scheduler.no_sync():
+                try:
+                    scaled_loss.backward()
+                except BaseException:
+                    self.scheduler.discard_step()  # ringcomm.overlap [Note: a failed step]
+                    raise
+                self.scheduler.finish()
+        finally:
+            for bucket in self.buckets:
+                self.reshard(bucket)
 
     def zero_grads(self) -> None:
         self.scheduler.zero_grad()
