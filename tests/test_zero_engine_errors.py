@@ -1,21 +1,26 @@
 """The engine's lifecycle and error paths: destroy() releases the swap files,
-I/O threads and hooks (idempotent); GatheredParameters re-shards whatever fails."""
+I/O threads and hooks (idempotent); GatheredParameters re-shards whatever fails;
+save_checkpoint's barriers time out on every backend, naming the missing rank."""
 from __future__ import annotations
 
 import contextlib
 import os
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from harness import run_ranks
 from test_zero_offload import new_engine, run_steps
 from zero_reference import MICRO, make_batch
 
 import zero
+from zero import checkpoint
 
 
 def swap_fds() -> list[str]:
@@ -128,3 +133,42 @@ def gathered_errors_worker(rank: int, world_size: int, root: str) -> None:
 def test_gathered_parameters_reshards_on_errors() -> None:
     with tempfile.TemporaryDirectory(prefix="zero-errors-") as root:
         run_ranks(gathered_errors_worker, 2, root, timeout=60)
+
+
+def barrier_worker(rank: int, world_size: int, root: str) -> None:
+    """On the ringcomm backend (whose dist.barrier() waits for the transport's
+    300 s), rank 1 fails between save_checkpoint's barriers: rank 0 fails within
+    the checkpoint's barrier timeout, naming rank 1. Rank 1 stays alive until
+    then, so that nothing but the timeout can end rank 0's wait."""
+    dist.destroy_process_group()
+    zero.init_distributed(dist_backend="ringcomm", init_method=f"file://{root}/rendezvous-ringcomm", rank=rank,
+                          world_size=world_size)
+    assert dist.get_backend() == "ringcomm", f"rank {rank}: {dist.get_backend()}"
+    engine = new_engine(2, "none", world_size, root)
+    run_steps(engine, rank, world_size, range(1))
+    store = dist.distributed_c10d._get_default_store()
+
+    def hook(phase: str, at_rank: int) -> None:
+        if rank == 1 and phase == "written":
+            raise Injected("rank 1 fails after writing its shards")
+    checkpoint.phase_hook, checkpoint.BARRIER_TIMEOUT_S = hook, 2.0
+    start = time.monotonic()
+    try:
+        if rank == 1:
+            with pytest.raises(Injected):
+                engine.save_checkpoint(os.path.join(root, "ckpt"))
+            store.wait(["test/rank0-done"], timedelta(seconds=60))
+            return
+        with pytest.raises(RuntimeError, match=r"shards written: rank 0 waited 2.0 s .* rank\(s\) \[1\] of 2 did not"):
+            engine.save_checkpoint(os.path.join(root, "ckpt"))
+        elapsed = time.monotonic() - start
+        assert elapsed < 10.0, f"rank 0: the barrier failed after {elapsed:.1f} s, not within its 2 s timeout"
+        store.set("test/rank0-done", "1")
+    finally:
+        checkpoint.phase_hook, checkpoint.BARRIER_TIMEOUT_S = (lambda phase, rank: None), 600.0
+        engine.destroy()
+
+
+def test_checkpoint_barrier_times_out_on_any_backend() -> None:
+    with tempfile.TemporaryDirectory(prefix="zero-barrier-") as root:
+        run_ranks(barrier_worker, 2, root, timeout=40)
