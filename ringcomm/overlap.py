@@ -20,6 +20,18 @@ every backward, their chunk folded into a chunk-sized accumulator and freed,
 during backward as soon as the reduce-scatter succeeded (CPU), so backward
 holds the buckets in flight, not the whole gradient.
 
+[Note: a failed step]
+When a bucket's collective fails (or times out, or backward itself raises),
+finish() raises that first error once and leaves the scheduler ready for the
+next step: it waits for the step's other launches (one timeout_s for all of
+them, their errors dropped), then drops the failed step's gradients and the
+accumulation window it was in (accumulators and persistent buckets zeroed,
+transient buckets freed, every window fresh) and forgets which parameters were
+marked. A failed reduction leaves partial sums behind, so nothing of the window
+can be kept; the next backward starts a new one. A collective still running
+when that timeout passed may write its bucket late: a group whose peer is gone
+must be closed or aborted anyway.
+
 Timeline of one step (CPU; on CUDA the comm thread is a comm stream):
 
     backward: |grads of bucket 0|grads of bucket 1|grads of bucket 2| finish(): wait
@@ -302,10 +314,14 @@ class BucketScheduler:
             return self.report
         backward_end_s, backward_end = time.perf_counter(), self._cuda_mark()
         with self._lock:
-            self._count_unused()
-            self._launch_ready()
-            assert self._next_launch == len(self._launch_order), "every bucket is complete at finish()"
-            self._wait_all()
+            try:
+                self._count_unused()
+                self._launch_ready()
+                assert self._next_launch == len(self._launch_order), "every bucket is complete at finish()"
+                self._wait_all()
+            except BaseException:
+                self._discard_step()
+                raise
             wait_s = time.perf_counter() - backward_end_s
             self._set_report(backward_end_s, backward_end, wait_s)
             self._fold()
@@ -313,11 +329,34 @@ class BucketScheduler:
             self._reset_step()
         return self.report
 
+    def discard_step(self) -> None:
+        """Abandons the step in progress (its backward raised): see [Note: a failed step]."""
+        with self._lock:
+            self._discard_step()
+
+    def _discard_step(self) -> None:
+        """See [Note: a failed step]."""
+        deadline = time.monotonic() + self.timeout_s
+        for launch in self._launches:
+            try:
+                launch.wait(max(0.0, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 (the caller raises the step's first error)
+                pass
+        for bucket in self.buckets:
+            if bucket.accumulator is not None:
+                bucket.accumulator.zero_()
+                if bucket.grad is not None:
+                    self._track(-bucket.nbytes)
+                    bucket.release()
+            elif bucket.grad is not None:
+                bucket.grad.zero_()
+            bucket.fresh = bucket.accumulator_fresh = True
+            bucket.written.clear()
+        self._reset_step()
+
     def _count_unused(self) -> None:
         unused = [p for p in self._params if id(p) not in self._marked]
         if unused and not self.find_unused_parameters:
-            self._wait_all()
-            self._reset_step()
             names = [self._name(p) for p in unused]
             raise RuntimeError(f"BucketScheduler.finish: rank {self.collectives.rank}: {len(unused)} parameters got no "
                                f"gradient this step: {names[:16]}; pass find_unused_parameters=True to treat them as zero")

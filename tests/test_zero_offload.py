@@ -21,15 +21,22 @@ import zero
 OFFLOADS = ("cpu", "nvme")
 
 
-def offload_sections(offload: str, stage: int, nvme_path: str) -> dict:
-    if offload == "none":
+def offload_sections(offload: str, stage: int, nvme_path: str, *, param: str | None = None) -> dict:
+    """zero_optimization offload keys: offload_optimizer on `offload`, and
+    offload_param on `param` (default: `offload` at stage 3, else none)."""
+    param = param if param is not None else offload if stage == 3 else "none"
+    if offload == param == "none":
         return {}
-    section = {"device": offload, "pin_memory": True}
-    if offload == "nvme":
-        section.update(nvme_path=nvme_path, buffer_count=2, pipeline_read=True, pipeline_write=True)
-    sections = {"offload_optimizer": dict(section), "sub_group_size": 150}  # several sub-groups per rank
-    if stage == 3:
-        sections["offload_param"] = dict(section, max_in_cpu=0, buffer_count=3)
+    sections: dict = {"sub_group_size": 150}  # several sub-groups per rank
+    for key, device in (("offload_optimizer", offload), ("offload_param", param)):
+        if device == "none":
+            continue
+        section = {"device": device, "pin_memory": True}
+        if device == "nvme":
+            section.update(nvme_path=nvme_path, buffer_count=2, pipeline_read=True, pipeline_write=True)
+        if key == "offload_param":
+            section.update(max_in_cpu=0, buffer_count=3)  # every non-resident shard swapped
+        sections[key] = section
     return sections
 
 
@@ -123,20 +130,30 @@ def checkpoint_worker(rank: int, world_size: int, root: str) -> None:
         del engine, resumed
 
 
-def new_engine(stage: int, offload: str, world_size: int, nvme_path: str, **extra):
-    config = engine_config(stage, "bf16", 1, world_size, **offload_sections(offload, stage, nvme_path), **extra)
+def new_engine(stage: int, offload: str, world_size: int, nvme_path: str, *, param: str | None = None,
+               init: bool = False, **extra):
+    """A bf16 transformer engine with offload_sections(offload, stage, nvme_path, param=param);
+    init: the model is built under zero.Init."""
+    config = engine_config(stage, "bf16", 1, world_size, **offload_sections(offload, stage, nvme_path, param=param),
+                           **extra)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        engine, *_ = zero.initialize(model=make_model("transformer"), config=config)
+        with zero.Init(config_dict_or_path=config, enabled=init):
+            model = make_model("transformer")
+        engine, *_ = zero.initialize(model=model, config=config)
     return engine
 
 
-def run_steps(engine, rank: int, world_size: int, steps: range) -> None:
+def run_steps(engine, rank: int, world_size: int, steps: range) -> list[float]:
+    """Trains on the transformer's batches of `steps`; returns this rank's losses."""
+    losses = []
     for step in steps:
         x, y = make_batch("transformer", MICRO * world_size, step)
-        engine.backward(loss_fn("transformer", engine(x[rank * MICRO:(rank + 1) * MICRO]),
-                                y[rank * MICRO:(rank + 1) * MICRO]))
+        loss = loss_fn("transformer", engine(x[rank * MICRO:(rank + 1) * MICRO]), y[rank * MICRO:(rank + 1) * MICRO])
+        engine.backward(loss)
         engine.step()
+        losses.append(float(loss.detach()))
+    return losses
 
 
 def test_checkpoints_across_offload_settings() -> None:

@@ -8,7 +8,7 @@ size and stage: each rank reads the overlap of the saved ranges with its own.
 
 [Note: atomic save]
     every rank   write save_dir/.TAG.partial/zero_shards_rank{r}_of{W}, fsync   "written"
-    barrier
+    barrier      (zero/barrier.py: each has a deadline and names the ranks missing)
     rank 0       engine_state.pt, model_states.pt, fsync                          "committing"
                  TAG exists: rename TAG -> .TAG.previous                          "renamed_old"
                  rename .TAG.partial -> TAG, fsync save_dir, remove .previous     "before_latest"
@@ -25,11 +25,9 @@ import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
-
 import torch
-import torch.distributed as dist
 
+from .barrier import store_barrier
 from .tensorfile import SafetensorsReader, TensorSpec, fsync_dir, write_safetensors
 
 FORMAT = "zero-named-shards/1"
@@ -180,16 +178,6 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, states: dict[torch.Te
 
 
 # ---- save -------------------------------------------------------------------------------------
-def barrier(timeout_s: float) -> None:
-    """Every rank, with a timeout (gloo's monitored barrier names a dead rank)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    if dist.get_backend() == "gloo":
-        dist.monitored_barrier(timeout=timedelta(seconds=timeout_s))
-    else:
-        dist.barrier()
-
-
 def engine_state(engine, client_state: dict | None) -> dict:
     scheduler, comm = engine.lr_scheduler, engine.parts.comm
     return {
@@ -257,12 +245,12 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
         recover(save_dir, tag)
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
-    barrier(BARRIER_TIMEOUT_S)
+    store_barrier(f"save_checkpoint {directory}: {partial} made", BARRIER_TIMEOUT_S)
     full = engine.full_params_fp32()  # collective: before any rank may stop at a barrier
     with engine.parts.group.offloaded_states():  # offloaded masters and states as ordinary tensors while written
         write_shards(shard_file(partial, rank, world_size), named_shards(engine))
     phase_hook("written", rank)
-    barrier(BARRIER_TIMEOUT_S)
+    store_barrier(f"save_checkpoint {directory}: every rank's shards written", BARRIER_TIMEOUT_S)
     if rank == 0:
         _save_torch(engine_state(engine, client_state), os.path.join(partial, ENGINE_STATE))
         _save_torch(module_state_dict(engine, full, engine.parts.dtype), os.path.join(partial, MODEL_STATES))
@@ -271,7 +259,7 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
         commit(save_dir, tag, partial, directory, save_latest=save_latest)
     else:
         phase_hook("waiting", rank)
-    barrier(BARRIER_TIMEOUT_S)
+    store_barrier(f"save_checkpoint {directory}: rank 0 committed", BARRIER_TIMEOUT_S)
     return directory
 
 

@@ -61,6 +61,7 @@ class ZeroEngine:
         self.last_step_sent_nbytes = 0
         self._global_grad_norm: float | None = None
         self._step_applied = False
+        self._destroyed = False
 
     # ---- DeepSpeed surface ---------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -68,6 +69,7 @@ class ZeroEngine:
 
     def forward(self, *args, **kwargs):
         """Runs the module; floating-point inputs are cast to the model dtype."""
+        self._check_alive("forward")
         gatherer, dtype = self.parts.gatherer, self.parts.dtype
 
         def cast(x):
@@ -82,6 +84,7 @@ class ZeroEngine:
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Scales the loss (loss scale / accumulation steps), back-propagates and
         reduces the gradients (overlapped with backward by the bucket hooks)."""
+        self._check_alive("backward")
         scale = self.parts.scaler.scale / self.gradient_accumulation_steps()
         reduce = self.is_gradient_accumulation_boundary() and not self._inside_no_sync
         self.parts.group.reduce_grads(loss.float() * scale, reduce)
@@ -89,6 +92,7 @@ class ZeroEngine:
 
     def step(self) -> None:
         """Updates the parameters at an accumulation boundary (no-op otherwise)."""
+        self._check_alive("step")
         if self._inside_no_sync:
             raise RuntimeError("zero: engine.step() inside no_sync(): leave the context first (as DeepSpeed)")
         if self.is_gradient_accumulation_boundary():
@@ -120,6 +124,25 @@ class ZeroEngine:
             coef *= clip / (norm + 1e-6)
         group.step(self.optimizer, grads, coef)
         return True
+
+    def destroy(self) -> None:
+        """Releases what the engine holds besides memory, as DeepSpeed's
+        engine.destroy(): the module and gradient hooks, the offload swap files
+        and I/O threads, the comm seam. Idempotent; forward, backward and step
+        refuse afterwards."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        try:
+            if self.parts.gatherer is not None:
+                self.parts.gatherer.remove()
+            self.parts.group.close()
+        finally:
+            self.parts.comm.close()
+
+    def _check_alive(self, op: str) -> None:
+        if self._destroyed:
+            raise RuntimeError(f"zero: engine.{op}() after engine.destroy() on rank {self.global_rank}")
 
     def was_step_applied(self) -> bool:
         """False when the last boundary step was skipped (fp16 overflow)."""

@@ -21,7 +21,7 @@ import torch
 from .config import AioOptions, OffloadOptions
 from .nvme import NvmeStates, check_optimizer
 from .offload import HostParamGroup
-from .param_group import ZeroBucket
+from .param_group import ZeroBucket, fold_into_master
 from .swap import IOPool, SwapFile, aligned_empty, round_up
 
 
@@ -87,6 +87,11 @@ class ShardSwap:
     @property
     def disk_nbytes(self) -> int:
         return self.file.nbytes
+
+    def close(self) -> None:
+        """Ends the I/O threads and closes the swap file (idempotent)."""
+        self.io.close()
+        self.file.close()
 
     @property
     def offload_host_nbytes(self) -> int:
@@ -167,6 +172,18 @@ class NvmeParamGroup(HostParamGroup):
         if self.shards is not None and self.shards.release(bucket):
             bucket.shard = self.placeholder(bucket)
 
+    def adopt_owned_values(self, bucket: ZeroBucket, values: torch.Tensor) -> None:
+        """As ParamGroup's, with the master and the shard where they are swapped."""
+        with torch.no_grad():
+            if self.states is not None and not self.materialized:
+                self.states.fold_values(bucket.span.index, values)
+            else:
+                fold_into_master(bucket.master, values)
+            if self.shards is not None and self.shards.swapped(bucket):
+                self.shards.write(bucket, values)
+            else:
+                self.publish_target(bucket).copy_(values)
+
     # ---- the step ----------------------------------------------------------------------------
     def owned_grads_fp32(self) -> Sequence[torch.Tensor]:
         if self.states is None:
@@ -235,10 +252,13 @@ class NvmeParamGroup(HostParamGroup):
             self.states.release(self.optimizer, write_back=write_back)
 
     def close(self) -> None:
-        for part in (self.states, self.shards):
-            if part is not None:
-                part.io.close()
-                part.file.close()
+        """Also ends the swappers' I/O threads and closes their swap files."""
+        try:
+            for part in (self.states, self.shards):
+                if part is not None:
+                    part.close()
+        finally:
+            super().close()
 
 
 class Float32Grads(Sequence):

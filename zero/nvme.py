@@ -25,7 +25,7 @@ import torch
 
 from .config import AioOptions, OffloadOptions
 from . import host_step
-from .param_group import ZeroBucket
+from .param_group import ZeroBucket, fold_into_master
 from .swap import IOPool, SwapFile, Transfer, aligned_empty, round_up
 
 STATE_NAMES = ("exp_avg", "exp_avg_sq")
@@ -193,6 +193,22 @@ class NvmeStates:
             state = optimizer.state[view]
             state["exp_avg"] = state["exp_avg_sq"] = self.empty
 
+    def fold_values(self, k: int, values: torch.Tensor) -> None:
+        """Read, modify, write: bucket `k`'s swapped master slices take `values`
+        (its owned span) where they differ from the master rounded; the moments
+        are left as they are. Only the sub-groups holding bucket `k` are read."""
+        for index in range(len(self.sub_groups)):
+            mine = [(j, lo, hi) for (bucket, j), lo, hi in self.slices(index) if bucket == k]
+            if not mine:
+                continue
+            self.start_read(index).wait()
+            master = self.parts(index)[0]
+            for j, lo, hi in mine:
+                _, begin, end = self.buckets[k].master_views[j]
+                fold_into_master(master[lo:hi], values[begin:end])
+            self.start_write(index, masters_only=True)
+        self.finish_writes()
+
     # ---- ordinary tensors, for checkpoints -------------------------------------------------
     def materialize(self, optimizer: torch.optim.Optimizer) -> None:
         """Every bucket's master and the states as in-memory tensors (views of
@@ -234,5 +250,6 @@ class NvmeStates:
             bucket.master = None
 
     def close(self) -> None:
+        """Ends the I/O threads and closes the swap file (idempotent)."""
         self.io.close()
         self.file.close()

@@ -151,6 +151,11 @@ class ParamGroup:
         """Gradient hooks, in registration order (it fixes the launch order)."""
         self.scheduler.register_hooks(params)
 
+    def close(self) -> None:
+        """Removes the gradient hooks; offload also releases its files and
+        threads. Idempotent (engine.destroy())."""
+        self.scheduler.remove_hooks()
+
     # ---- verbs: stage 3 gathering ---------------------------------------------------
     def start_unshard(self, bucket: ZeroBucket) -> None:
         if bucket.full is None and bucket.gather is None:
@@ -173,6 +178,17 @@ class ParamGroup:
         bucket.full = None
         bucket.bind_params()
 
+    def adopt_owned_values(self, bucket: ZeroBucket, values: torch.Tensor) -> None:
+        """Stage 3, a gathered bucket: `values` (its chunk, the parameters' dtype)
+        are the parameters' new values (zero.GatheredParameters with a modifier
+        rank): they become the shard, and the fp32 master where they differ from
+        the master rounded. Offload overrides where the shard and master live."""
+        with torch.no_grad():
+            fold_into_master(bucket.master, values)
+            target = self.publish_target(bucket)
+            if target.data_ptr() != values.data_ptr():
+                target.copy_(values)
+
     def _after_launch(self, grads: GradBucket) -> None:
         self.reshard(self.buckets[grads.index])  # its gradients are in flight: the values can go
 
@@ -181,11 +197,17 @@ class ParamGroup:
         """Back-propagates; at a boundary (sharded gradients: every micro-step)
         the reduced gradient of each bucket's owned span is ready afterwards."""
         sync = self.policy.shard_grads or boundary
-        with contextlib.nullcontext() if sync else self.scheduler.no_sync():
-            scaled_loss.backward()
-            self.scheduler.finish()
-        for bucket in self.buckets:
-            self.reshard(bucket)
+        try:
+            with contextlib.nullcontext() if sync else self.scheduler.no_sync():
+                try:
+                    scaled_loss.backward()
+                except BaseException:
+                    self.scheduler.discard_step()  # ringcomm.overlap [Note: a failed step]
+                    raise
+                self.scheduler.finish()
+        finally:
+            for bucket in self.buckets:
+                self.reshard(bucket)
 
     def zero_grads(self) -> None:
         self.scheduler.zero_grad()
@@ -315,3 +337,12 @@ class ParamGroup:
                 out[index] = whole[span.begin:span.end].detach().clone().view(shape)
         self.comm.sent_nbytes = sent
         return [out[i] for i in sorted(out)]
+
+
+def fold_into_master(master: torch.Tensor, values: torch.Tensor) -> None:
+    """Writes `values` (16-bit or fp32, master's shape) into the fp32 `master`
+    where they differ from the master rounded to their dtype (a master offloaded
+    to the host takes a device model's values)."""
+    values = values.to(master.device)
+    differs = master.to(values.dtype) != values
+    master[differs] = values[differs].to(master.dtype)

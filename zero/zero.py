@@ -10,6 +10,15 @@ built) and GatheredParameters (gather, optionally modify on one rank, re-shard).
     at a time) and drops `ds_tensor`. At stage 3 each parameter then carries
     `ds_bucket` = (ParamGroup, ZeroBucket) so that GatheredParameters gathers
     and re-shards through the engine, and a modification reaches its fp32 master.
+
+[Note: leaving GatheredParameters]
+    On a clean exit with a modifier rank, that rank's values are broadcast and
+    every rank stores its chunk and folds it into its fp32 master through the
+    ParamGroup (ParamGroup.adopt_owned_values: in memory, on the host, or read,
+    modified and written back in an NVMe swap file). When the body raised, the
+    modification is dropped and nothing is broadcast (the body may have failed
+    on some ranks only, which then would not join). Whatever happens, every
+    bucket this context gathered is re-sharded before the exception propagates.
 """
 from __future__ import annotations
 
@@ -179,7 +188,7 @@ class GatheredParameters:
     whole on every rank inside; on exit, rank r's values (when r is not None)
     are broadcast and re-sharded, else changes are dropped. Parameters that are
     not partitioned (not built under Init, or an engine below stage 3) are left
-    alone, as DeepSpeed does."""
+    alone, as DeepSpeed does. See [Note: leaving GatheredParameters]."""
 
     def __init__(self, params, modifier_rank: int | None = None, fwd_module: nn.Module | None = None,
                  enabled: bool = True) -> None:
@@ -201,26 +210,44 @@ class GatheredParameters:
     def __enter__(self) -> GatheredParameters:
         if not self.enabled:
             return self
-        for param in self.standalone:
-            param.data = gather(param).view(param.ds_shape)
         self._gathered = [(g, b) for g, b in self.buckets if b.full is None]
-        for group, bucket in self.buckets:
-            group.unshard(bucket)
+        try:
+            for param in self.standalone:
+                param.data = gather(param).view(param.ds_shape)
+            for group, bucket in self.buckets:
+                group.unshard(bucket)
+        except BaseException:
+            self._release()  # __exit__ does not run when __enter__ raised
+            raise
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, traceback) -> None:
         if not self.enabled:
             return
+        try:
+            if self.modifier_rank is not None and exc_type is None:
+                for param in self.standalone:
+                    dist.broadcast(param.data, self.modifier_rank)
+                    partition_local(param)
+                for group, bucket in self.buckets:
+                    _publish_modified(group, bucket, self.modifier_rank)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        """Re-shards what this context gathered (local: no communication)."""
         for param in self.standalone:
-            if self.modifier_rank is not None:
-                dist.broadcast(param.data, self.modifier_rank)
-                partition_local(param)
-            param.data = torch.empty(0, dtype=param.ds_tensor.dtype, device=param.ds_tensor.device)
-        for group, bucket in self.buckets:
-            if self.modifier_rank is not None:
-                _publish_modified(group, bucket, self.modifier_rank)
+            if param.data.numel():
+                param.data = torch.empty(0, dtype=param.ds_tensor.dtype, device=param.ds_tensor.device)
+        errors = []
         for group, bucket in self._gathered:
-            group.reshard(bucket)
+            try:
+                group.reshard(bucket)
+            except Exception as error:  # noqa: BLE001 (reshard the others, then raise the first)
+                errors.append(error)
+        self._gathered = []
+        if errors:
+            raise errors[0]
 
 
 def partition_local(param: nn.Parameter) -> None:
@@ -233,13 +260,8 @@ def partition_local(param: nn.Parameter) -> None:
 
 def _publish_modified(group, bucket, src: int) -> None:
     """Rank `src`'s bucket values become every rank's: the chunk, and the fp32
-    master where the value differs from the master rounded (the master keeps
-    its precision where nothing changed)."""
+    master (wherever the group keeps it) where the value differs from the master
+    rounded (the master keeps its precision where nothing changed)."""
     group.comm.broadcast(bucket.full, src)
     chunk = bucket.span.local_chunk(bucket.rank)
-    new = bucket.full[chunk.begin:chunk.end]
-    with torch.no_grad():
-        differs = bucket.master.to(new.dtype) != new
-        bucket.master[differs] = new[differs].to(bucket.master.dtype)
-        if bucket.shard.data_ptr() != new.data_ptr():
-            bucket.shard.copy_(new)
+    group.adopt_owned_values(bucket, bucket.full[chunk.begin:chunk.end])

@@ -1,0 +1,43 @@
+"""A barrier with a deadline on every backend: the default process group's
+store counts the ranks in, and a rank that waited too long names the ranks
+that did not arrive (checkpoint save and load wait on it).
+
+[Note: store barrier]
+Every rank counts its own barriers in the store (key count/rank{r}): ranks
+pass the same barriers in the same order, so the n-th barrier has the same
+number n on every rank, across engines and without any state in this
+process. At barrier n a rank sets n/rank{r}, adds one to n/arrived, and the
+rank that brings it to world_size sets n/done, which the others wait for with
+the deadline. dist.barrier() has none on NCCL (it blocks until the process
+group's watchdog, if any, aborts the process) and on ringcomm it is bounded by
+the transport's timeout, not the checkpoint's; gloo's monitored_barrier is
+gloo-only. The diagnosis after a timeout is one store.check per rank, bounded
+by the store's own timeout (the store may sit across a dead link).
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+
+PREFIX = "zero/barrier"
+
+
+def store_barrier(what: str, timeout_s: float) -> None:
+    """Every rank of the default group reaches this point within `timeout_s`
+    of this rank, or RuntimeError naming the missing ranks; see [Note: store barrier]."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    store = dist.distributed_c10d._get_default_store()
+    number = store.add(f"{PREFIX}/count/rank{rank}", 1)
+    key = f"{PREFIX}/{number}"
+    store.set(f"{key}/rank{rank}", what)
+    if store.add(f"{key}/arrived", 1) == world_size:
+        store.set(f"{key}/done", "1")
+    try:
+        store.wait([f"{key}/done"], timedelta(seconds=timeout_s))
+    except RuntimeError:  # torch's DistStoreError: the wait timed out (or the store is gone)
+        missing = [r for r in range(world_size) if not store.check([f"{key}/rank{r}"])]
+        raise RuntimeError(f"{what}: rank {rank} waited {timeout_s} s at barrier {number}: rank(s) {missing} of "
+                           f"{world_size} did not arrive (failed, hung or gone)") from None
