@@ -63,6 +63,7 @@ class Group:
         self.global_ranks = global_ranks
         self._owned_pg = owned_pg  # shut down with the group
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._comm_thread: int | None = None  # its thread's ident, once it ran a call
         self._last: concurrent.futures.Future | None = None
         self._lock = threading.Lock()
         self._state = GroupState.OPEN
@@ -89,6 +90,7 @@ class Group:
         timing: list[float] = []
 
         def timed() -> None:
+            self._comm_thread = threading.get_ident()
             timing.append(time.perf_counter())
             try:
                 if self._state is GroupState.ABORTED:
@@ -176,12 +178,13 @@ class Group:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         executor, last = self._stop(GroupState.CLOSED)
-        if last is not None:
+        on_comm_thread = threading.get_ident() == self._comm_thread  # from a Work's callback, say
+        if last is not None and not on_comm_thread:
             concurrent.futures.wait([last], timeout=timeout_s)
             if not last.done():
                 self._abort_transport()
         if executor is not None:
-            executor.shutdown(wait=True)
+            executor.shutdown(wait=not on_comm_thread)
         self.transport.close(max(deadline - time.monotonic(), 0.0))
         self._release_pg()
 
@@ -190,7 +193,7 @@ class Group:
         executor, _ = self._stop(GroupState.ABORTED)
         self._abort_transport()
         if executor is not None:
-            executor.shutdown(wait=True)  # the rest fails without starting
+            executor.shutdown(wait=False)  # the rest fails without starting; the thread then ends
         self._release_pg()
 
     @property
