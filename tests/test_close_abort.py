@@ -227,3 +227,31 @@ def test_documented_errors_are_what_the_code_says():
         assert DOCUMENTED.search(message), message
     assert not DOCUMENTED.search("all_reduce: rank 0 ...: Timed out after 10 s")
     assert not re.search(DOCUMENTED, "'NoneType' object has no attribute 'rank'")
+
+
+class _DeadStore:
+    """A store across a dead link: every call blocks (as TCPStore's do until their own timeout)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def _block(self, *args):
+        self.release.wait(30)
+        raise RuntimeError("store gone")
+
+    set = get = check = _block
+
+
+def test_failure_diagnosis_is_bounded_when_the_store_hangs():
+    from ringcomm.transport import torch_dist
+
+    store = _DeadStore()
+    diagnosis = torch_dist._Diagnosis(None, 0, 2)
+    diagnosis.store = store  # after start-up, when the link to the store's host died
+    start = time.monotonic()
+    note = diagnosis.explain("all_reduce: rank 0 failed")
+    elapsed = time.monotonic() - start
+    store.release.set()
+    limit = torch_dist.EXPLAIN_WAIT_S + torch_dist.EXPLAIN_STORE_S
+    assert elapsed < limit + 0.5, f"the diagnosis took {elapsed:.1f} s (bound {limit} s)"
+    assert "store did not answer" in note, note

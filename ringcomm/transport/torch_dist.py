@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -18,6 +19,7 @@ from .process import process_state
 from ..ops import ReduceOp, dtype_code
 
 EXPLAIN_WAIT_S = 0.5
+EXPLAIN_STORE_S = 2.0
 _KINDS = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "broadcast": 4, "barrier": 0}
 
 
@@ -91,20 +93,31 @@ class _Diagnosis:
     def explain(self, message: str) -> str:
         """Notes naming the peers behind a failure. A killed peer's sockets close
         while the kernel is still tearing it down, so its state is polled for a
-        moment (EXPLAIN_WAIT_S) before nothing is said of it."""
+        moment (EXPLAIN_WAIT_S) before nothing is said of it. The store may sit
+        across the link that failed, where its calls block: they run on a thread
+        of their own, waited for at most EXPLAIN_STORE_S more."""
         if self.store is None:
             return ""
+        notes: list[list[str]] = []
+        thread = threading.Thread(target=lambda: notes.append(self._poll_notes(message)), daemon=True,
+                                  name=f"ringcomm-diagnosis-r{self.rank}")
+        thread.start()
+        thread.join(EXPLAIN_WAIT_S + EXPLAIN_STORE_S)
+        if not notes:
+            return f"; (the store did not answer within {EXPLAIN_WAIT_S + EXPLAIN_STORE_S} s: its host may be unreachable)"
+        return "; " + "; ".join(notes[0]) if notes[0] else ""
+
+    def _poll_notes(self, message: str) -> list[str]:
         try:
             self.store.set(f"failure/{self.rank}", message)
             deadline = time.monotonic() + EXPLAIN_WAIT_S
             while True:
                 notes = self._notes()
                 if notes or time.monotonic() > deadline:
-                    break
+                    return notes
                 time.sleep(0.01)
         except Exception as err:  # the store may have died with its host rank
-            notes = [f"(store unreachable: {err})"]
-        return "; " + "; ".join(notes) if notes else ""
+            return [f"(store unreachable: {err})"]
 
     def _notes(self) -> list[str]:
         notes = []
