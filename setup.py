@@ -1,4 +1,5 @@
-"""Builds ringcomm._C (csrc/cpu/*.cpp) with pybind11 alone: no torch at build time.
+"""Builds ringcomm._C (csrc/cpu/*.cpp) with pybind11 alone: no torch at build time,
+and ships the CUDA sources (csrc/cuda/*.cu) as package data: ringcomm/cuda/.
 
 The kernels are plain loops that the compiler vectorizes. By default they are
 built for this machine (-march=native, falling back to the compiler default
@@ -13,6 +14,7 @@ import tempfile
 
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import setup
+from setuptools.command.build_py import build_py
 
 
 def arch_flags() -> list[str]:
@@ -39,4 +41,17 @@ extension = Pybind11Extension(
     extra_link_args=["-lrt"],
 )
 
-setup(ext_modules=[extension], cmdclass={"build_ext": build_ext})
+class build_py_with_cuda_sources(build_py):
+    """Copies csrc/cuda/*.cu into the built package as ringcomm/cuda/*.cu, where
+    ringcomm.cuda_kernels finds them through importlib.resources (an editable
+    install reads them from csrc/cuda instead)."""
+
+    def run(self) -> None:
+        super().run()
+        target = os.path.join(self.build_lib, "ringcomm", "cuda")
+        self.mkpath(target)
+        for source in sorted(glob.glob("csrc/cuda/*.cu")):
+            self.copy_file(source, os.path.join(target, os.path.basename(source)))
+
+
+setup(ext_modules=[extension], cmdclass={"build_ext": build_ext, "build_py": build_py_with_cuda_sources})

@@ -3,6 +3,7 @@ compiled with CuPy (NVRTC) when CuPy and a GPU are present, launched on torch's 
 from __future__ import annotations
 
 import functools
+import importlib.resources
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,7 +14,18 @@ import torch
 
 from .ops import LOW_PRECISION, ReduceOp, dtype_code, to_reduce_op
 
-SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cuda" / "reduce.cu"
+
+
+def _source() -> Path:
+    """reduce.cu: package data in an installed ringcomm (setup.py copies csrc/cuda
+    there), else csrc/cuda of the source tree (an editable install)."""
+    installed = importlib.resources.files("ringcomm") / "cuda" / "reduce.cu"
+    if installed.is_file():
+        return Path(str(installed))
+    return Path(str(importlib.resources.files("ringcomm"))).parent / "csrc" / "cuda" / "reduce.cu"
+
+
+SOURCE = _source()
 MAX_SOURCES = 8  # kMaxSources in reduce.cu: source pointers per launch
 THREADS = 256  # kThreads
 MAX_BLOCKS = 4096  # kMaxBlocks

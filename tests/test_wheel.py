@@ -1,0 +1,96 @@
+"""What works with `pip install -e` works from a wheel: the wheel holds every
+package and the CUDA sources, and installed in a fresh venv it runs from a
+folder outside the checkout (imports, zero's command lines, a 2-rank
+all_reduce on the "ringcomm" backend)."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+ALL_REDUCE = """
+import os, torch, torch.distributed as dist, ringcomm
+dist.init_process_group("ringcomm")
+rank, world_size = dist.get_rank(), dist.get_world_size()
+x = torch.full((1000,), rank + 1.0)
+ringcomm.all_reduce(x)
+y = torch.full((7,), rank + 1.0)
+dist.all_reduce(y)
+expected = world_size * (world_size + 1) / 2
+assert torch.all(x == expected) and torch.all(y == expected), (rank, x[:3], y[:3])
+ringcomm.destroy_default_group()
+dist.destroy_process_group()
+print(f"rank {rank}: all_reduce ok from {ringcomm.__file__}")
+"""
+
+
+def run(args: list, *, cwd: Path, timeout: float, env: dict | None = None) -> str:
+    result = subprocess.run([str(a) for a in args], cwd=cwd, env=env, capture_output=True, text=True,
+                            timeout=timeout)
+    assert result.returncode == 0, f"{args} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
+    return result.stdout
+
+
+def source_packages() -> set[str]:
+    """Every package of the source tree, as a folder path with an __init__.py."""
+    return {str(init.parent.relative_to(ROOT)) for top in ("ringcomm", "zero")
+            for init in (ROOT / top).rglob("__init__.py") if "__pycache__" not in init.parts}
+
+
+def clean_copy(target: Path) -> Path:
+    """The checkout's files as git sees them (no build/ left by earlier builds,
+    which setuptools would pack too)."""
+    listed = run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT, timeout=60)
+    for name in listed.splitlines():
+        if (ROOT / name).is_file():
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, target / name)
+    return target
+
+
+def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
+    wheels = tmp_path / "wheels"
+    source = clean_copy(tmp_path / "source")
+    run([sys.executable, "-m", "pip", "wheel", source, "--no-deps", "-q", "-w", wheels], cwd=tmp_path, timeout=600)
+    (wheel,) = wheels.glob("ringcomm-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    missing = {p for p in source_packages() if f"{p}/__init__.py" not in names}
+    assert not missing, f"the wheel lacks packages {sorted(missing)}"
+    cuda_sources = {f"ringcomm/cuda/{p.name}" for p in (ROOT / "csrc" / "cuda").glob("*.cu")}
+    assert cuda_sources and cuda_sources <= names, f"the wheel lacks {sorted(cuda_sources - names)}"
+
+    # A fresh venv that sees torch and numpy (from this one) but not the checkout.
+    venv = tmp_path / "venv"
+    run([sys.executable, "-m", "venv", "--without-pip", venv], cwd=tmp_path, timeout=120)
+    python = venv / "bin" / "python"
+    purelib = Path(run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=tmp_path,
+                       timeout=60).strip())
+    deps = {str(Path(m.__file__).resolve().parent.parent) for m in (torch, numpy)}
+    (purelib / "deps.pth").write_text("\n".join(sorted(deps)) + "\n")
+    zipfile.ZipFile(wheel).extractall(purelib)  # a wheel without scripts or data installs as its files
+
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    where = run([python, "-c", "import ringcomm, zero; from ringcomm import cuda_kernels; "
+                 "print(ringcomm.__file__, zero.__file__, cuda_kernels.SOURCE, cuda_kernels.SOURCE.is_file())"],
+                cwd=work, timeout=120, env=env).split()
+    assert all(path.startswith(str(purelib)) for path in where[:3]), f"not imported from the wheel: {where}"
+    assert where[3] == "True", f"the CUDA source is missing: {where}"
+    estimate = run([python, "-m", "zero.estimate", "--params", "1e9", "--ranks", "8"], cwd=work, timeout=120, env=env)
+    assert "stage" in estimate.lower(), estimate
+    assert "usage" in run([python, "-m", "zero.to_fp32", "--help"], cwd=work, timeout=120, env=env).lower()
+    script = work / "all_reduce.py"
+    script.write_text(ALL_REDUCE)
+    out = run([python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script], cwd=work,
+              timeout=180, env=env)
+    assert out.count("all_reduce ok") == 2 and str(purelib) in out, out
+
