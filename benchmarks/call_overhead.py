@@ -136,7 +136,7 @@ def collective_rows(pg, floor, fake, gloo, rank: int, world_size: int) -> list[t
         opts.asyncOp = False
         rows += [("all_reduce", nbytes, "C++ (_C.ShmComm)",
                   lambda p=ptr, n=numel, c=code: comm.all_reduce(p, p, n, c, 0, timeout_s)),
-                 ("all_reduce", nbytes, "transport", lambda t=t: transport.all_reduce(t, t, ReduceOp.SUM)),
+                 ("all_reduce", nbytes, "transport", lambda t=t: transport.all_reduce(output=t, input=t, op=ReduceOp.SUM)),
                  ("all_reduce", nbytes, "ringcomm.all_reduce", lambda t=t: ringcomm.all_reduce(t, group=group)),
                  ("all_reduce", nbytes, "pg.allreduce().wait()", lambda t=t, o=opts: pg.allreduce([t], o).wait()),
                  ("all_reduce", nbytes, "dist ringcomm", lambda t=t: dist.all_reduce(t, group=pg)),
@@ -149,8 +149,8 @@ def collective_rows(pg, floor, fake, gloo, rank: int, world_size: int) -> list[t
         for nbytes in SIZES[op]:
             big, small = torch.ones(nbytes // 4), torch.ones(nbytes // 4 // world_size)
             out, inp = (big, small) if op == "all_gather" else (small, big)
-            direct = ((lambda i=inp, o=out: transport.all_gather(i, o)) if op == "all_gather" else
-                      (lambda i=inp, o=out: transport.reduce_scatter(i, o, ReduceOp.SUM)))
+            direct = ((lambda i=inp, o=out: transport.all_gather(output=o, input=i)) if op == "all_gather" else
+                      (lambda i=inp, o=out: transport.reduce_scatter(output=o, input=i, op=ReduceOp.SUM)))
             public = getattr(ringcomm, op)
             rows += [(op, nbytes, "transport", direct),
                      (op, nbytes, f"ringcomm.{op}", lambda o=out, i=inp, f=public: f(o, i, group=group)),

@@ -22,7 +22,7 @@ def all_reduce(transport: Transport, tensors: Sequence[torch.Tensor], op: Reduce
     def body() -> None:
         for tensor in tensors:
             with contiguous(tensor) as flat:
-                transport.all_reduce(flat, flat, op)
+                transport.all_reduce(output=flat, input=flat, op=op)
 
     return body
 
@@ -39,7 +39,7 @@ def broadcast(transport: Transport, tensors: Sequence[torch.Tensor], root: int) 
 def all_gather(transport: Transport, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> Body:
     def body() -> None:
         for output, input in zip(outputs, aliasing.coalesced_inputs(outputs, inputs, transport.rank, gather=True)):
-            transport.all_gather(input, output)
+            transport.all_gather(output=output, input=input)
 
     return body
 
@@ -48,7 +48,7 @@ def reduce_scatter(transport: Transport, outputs: Sequence[torch.Tensor], inputs
                    op: ReduceOp) -> Body:
     def body() -> None:
         for output, input in zip(outputs, aliasing.coalesced_inputs(outputs, inputs, transport.rank, gather=False)):
-            transport.reduce_scatter(input, output, op)
+            transport.reduce_scatter(output=output, input=input, op=op)
 
     return body
 
@@ -72,7 +72,7 @@ def all_gather_list(transport: Transport, outputs: Sequence[torch.Tensor], input
 
     def body() -> None:
         gathered = torch.empty(len(outputs) * numel, dtype=input.dtype)
-        transport.all_gather(input, gathered)
+        transport.all_gather(output=gathered, input=input)
         for rank, output in enumerate(outputs):
             output.view(-1).copy_(gathered[rank * numel:(rank + 1) * numel])
 
@@ -84,7 +84,7 @@ def reduce_scatter_list(transport: Transport, output: torch.Tensor, inputs: Sequ
     """torch's reduce_scatter (a list of inputs): concatenate, then reduce-scatter."""
 
     def body() -> None:
-        transport.reduce_scatter(torch.cat([t.reshape(-1) for t in inputs]), output, op)
+        transport.reduce_scatter(output=output, input=torch.cat([t.reshape(-1) for t in inputs]), op=op)
 
     return body
 

@@ -26,8 +26,9 @@ KILLS = {"api": ("close", "abort"), "backend": ("shutdown", "abort", "destroy_pr
 # peer's connection closed: [Note: torch_dist abort] in ringcomm/transport/torch_dist.py).
 DOCUMENTED = re.compile(r"the group is (closed|aborted)|: aborted|(closed|aborted) the group|"
                         r"Connection (closed|reset) by peer")
-# torch's own refusal of a group that destroy_process_group removed, before any backend sees the call
-DESTROYED = "is not initialized in the world group map"
+# torch's own refusals of a group that destroy_process_group removed (from another
+# thread: which one depends on how far torch got), before any backend sees the call
+DESTROYED = re.compile(r"is not initialized in the world group map|is not registered, please create group")
 LOOP_JOIN_S = 20.0  # a loop still running this long after the kill is a hang
 TIMEOUT_S = 10.0  # the groups' timeout
 
@@ -120,7 +121,7 @@ def cycle(rank: int, world_size: int, path: str, transport: str, rngs: tuple[ran
     if ended:
         message = f"{type(ended[0]).__name__}: {ended[0]}"
         kind = _kind(message) if isinstance(ended[0], RuntimeError) else ""
-        if kill == "destroy_process_group" and isinstance(ended[0], ValueError) and DESTROYED in message:
+        if kill == "destroy_process_group" and isinstance(ended[0], ValueError) and DESTROYED.search(message):
             kind = "destroyed (torch refuses the call)"
         if kind:
             outcome.errors[kind] = outcome.errors.get(kind, 0) + 1

@@ -72,7 +72,7 @@ def test_lean_works_keep_torch_contract(group) -> None:
             assert torch.equal(output, torch.arange(5.0) + (10 if moved else 0)), f"{where}: {output}"
 
 
-def fail(*args) -> None:
+def fail(*args, **kwargs) -> None:
     raise RuntimeError("injected: rank 0 lost its peer")
 
 

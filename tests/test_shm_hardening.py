@@ -73,9 +73,9 @@ def run_op(pair: Pair, kind: int) -> None:
     if kind == ALL_REDUCE:
         pair.comm.all_reduce(window, window, NUMEL, FLOAT32, SUM, TIMEOUT_S)
     elif kind == REDUCE_SCATTER:
-        pair.comm.reduce_scatter(window, scratch, NUMEL // 2, FLOAT32, SUM, TIMEOUT_S)
+        pair.comm.reduce_scatter(scratch, window, NUMEL // 2, FLOAT32, SUM, TIMEOUT_S)
     else:
-        pair.comm.all_gather(window, scratch, NUMEL // 2, FLOAT32, TIMEOUT_S)
+        pair.comm.all_gather(scratch, window, NUMEL // 2, FLOAT32, TIMEOUT_S)
 
 
 OP_NAMES = {ALL_REDUCE: "all_reduce", REDUCE_SCATTER: "reduce_scatter", ALL_GATHER: "all_gather"}
@@ -178,9 +178,9 @@ def forged_cma_address(rank, world_size, op):
     data, out = torch.ones(NUMEL), torch.empty(NUMEL)
     with pytest.raises(RuntimeError) as info:
         if kind == ALL_GATHER:
-            comm.all_gather(data.data_ptr(), out.data_ptr(), NUMEL // 2, FLOAT32, TIMEOUT_S)
+            comm.all_gather(out.data_ptr(), data.data_ptr(), NUMEL // 2, FLOAT32, TIMEOUT_S)
         else:
-            comm.all_reduce(data.data_ptr(), out.data_ptr(), NUMEL, FLOAT32, SUM, TIMEOUT_S)
+            comm.all_reduce(out.data_ptr(), data.data_ptr(), NUMEL, FLOAT32, SUM, TIMEOUT_S)
     message = str(info.value)
     assert op in message and "rank 1" in message and "process_vm_readv" in message, message
     with pytest.raises(RuntimeError, match="unusable"):

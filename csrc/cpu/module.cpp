@@ -104,11 +104,24 @@ PYBIND11_MODULE(_C, m) {
                     return ShmComm::segment_nbytes(world_size, make_config(slot_nbytes, num_slots, 0, 0, -1, -1));
                   },
                   py::arg("world_size"), py::arg("slot_nbytes"), py::arg("num_slots"))
-      .def("all_reduce", &ShmComm::all_reduce, py::arg("input"), py::arg("output"), py::arg("numel"), py::arg("dtype"),
+      .def("all_reduce",
+           [](ShmComm& comm, uintptr_t output, uintptr_t input, int64_t numel, int dtype, int op, double timeout_s) {
+             comm.all_reduce(ringcomm::Output{output}, ringcomm::Input{input}, numel, dtype, op, timeout_s);
+           },
+           py::arg("output"), py::arg("input"), py::arg("numel"), py::arg("dtype"),
            py::arg("op"), py::arg("timeout_s"), no_gil)
-      .def("reduce_scatter", &ShmComm::reduce_scatter, py::arg("input"), py::arg("output"), py::arg("chunk_numel"),
+      .def("reduce_scatter",
+           [](ShmComm& comm, uintptr_t output, uintptr_t input, int64_t chunk_numel, int dtype, int op,
+              double timeout_s) {
+             comm.reduce_scatter(ringcomm::Output{output}, ringcomm::Input{input}, chunk_numel, dtype, op, timeout_s);
+           },
+           py::arg("output"), py::arg("input"), py::arg("chunk_numel"),
            py::arg("dtype"), py::arg("op"), py::arg("timeout_s"), no_gil)
-      .def("all_gather", &ShmComm::all_gather, py::arg("input"), py::arg("output"), py::arg("chunk_numel"),
+      .def("all_gather",
+           [](ShmComm& comm, uintptr_t output, uintptr_t input, int64_t chunk_numel, int dtype, double timeout_s) {
+             comm.all_gather(ringcomm::Output{output}, ringcomm::Input{input}, chunk_numel, dtype, timeout_s);
+           },
+           py::arg("output"), py::arg("input"), py::arg("chunk_numel"),
            py::arg("dtype"), py::arg("timeout_s"), no_gil)
       .def("broadcast", &ShmComm::broadcast, py::arg("buffer"), py::arg("numel"), py::arg("dtype"), py::arg("root"),
            py::arg("timeout_s"), no_gil)

@@ -169,24 +169,28 @@ PyObject* pointer_call(const char* name, PyObject* const* args, Py_ssize_t nargs
   Py_RETURN_NONE;
 }
 
-// all_reduce_lean(handle, input, output, numel, dtype, op, timeout_s)
+// The (output, input) addresses of a pointer call.
+Output output_of(const int64_t* a) { return Output{static_cast<uintptr_t>(a[0])}; }
+Input input_of(const int64_t* a) { return Input{static_cast<uintptr_t>(a[1])}; }
+
+// all_reduce_lean(handle, output, input, numel, dtype, op, timeout_s)
 PyObject* all_reduce_lean(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return pointer_call<5>("all_reduce_lean", args, nargs, [](ShmComm& comm, const int64_t* a, double timeout_s) {
-    comm.all_reduce(a[0], a[1], a[2], static_cast<int>(a[3]), static_cast<int>(a[4]), timeout_s);
+    comm.all_reduce(output_of(a), input_of(a), a[2], static_cast<int>(a[3]), static_cast<int>(a[4]), timeout_s);
   });
 }
 
-// reduce_scatter_lean(handle, input, output, chunk_numel, dtype, op, timeout_s)
+// reduce_scatter_lean(handle, output, input, chunk_numel, dtype, op, timeout_s)
 PyObject* reduce_scatter_lean(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return pointer_call<5>("reduce_scatter_lean", args, nargs, [](ShmComm& comm, const int64_t* a, double timeout_s) {
-    comm.reduce_scatter(a[0], a[1], a[2], static_cast<int>(a[3]), static_cast<int>(a[4]), timeout_s);
+    comm.reduce_scatter(output_of(a), input_of(a), a[2], static_cast<int>(a[3]), static_cast<int>(a[4]), timeout_s);
   });
 }
 
-// all_gather_lean(handle, input, output, chunk_numel, dtype, timeout_s)
+// all_gather_lean(handle, output, input, chunk_numel, dtype, timeout_s)
 PyObject* all_gather_lean(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return pointer_call<4>("all_gather_lean", args, nargs, [](ShmComm& comm, const int64_t* a, double timeout_s) {
-    comm.all_gather(a[0], a[1], a[2], static_cast<int>(a[3]), timeout_s);
+    comm.all_gather(output_of(a), input_of(a), a[2], static_cast<int>(a[3]), timeout_s);
   });
 }
 
@@ -203,7 +207,7 @@ PyObject* all_reduce_tensor(PyObject*, PyObject* const* args, Py_ssize_t nargs) 
   if (timeout_s == -1.0 && PyErr_Occurred()) return nullptr;
   const int64_t numel = tensor.nbytes / element_nbytes(to_dtype(tensor.dtype));
   if (!run_released([&] {
-        comm->all_reduce(tensor.ptr, tensor.ptr, numel, tensor.dtype, static_cast<int>(op), timeout_s);
+        comm->all_reduce(Output{tensor.ptr}, Input{tensor.ptr}, numel, tensor.dtype, static_cast<int>(op), timeout_s);
       }))
     return nullptr;
   Py_RETURN_TRUE;
@@ -229,9 +233,10 @@ PyObject* pair_call(const char* name, PyObject* const* args, Py_ssize_t nargs) {
   const int64_t chunk_numel = small.nbytes / element_nbytes(to_dtype(small.dtype));
   if (!run_released([&] {
         if (gather) {
-          comm->all_gather(input.ptr, output.ptr, chunk_numel, input.dtype, timeout_s);
+          comm->all_gather(Output{output.ptr}, Input{input.ptr}, chunk_numel, input.dtype, timeout_s);
         } else {
-          comm->reduce_scatter(input.ptr, output.ptr, chunk_numel, input.dtype, static_cast<int>(op), timeout_s);
+          comm->reduce_scatter(Output{output.ptr}, Input{input.ptr}, chunk_numel, input.dtype, static_cast<int>(op),
+                               timeout_s);
         }
       }))
     return nullptr;
@@ -252,11 +257,11 @@ PyMethodDef fastcall(const char* name, const char* doc) {
 }
 
 PyMethodDef kLeanMethods[] = {
-    fastcall<all_reduce_lean>("all_reduce_lean", "all_reduce_lean(handle, input, output, numel, dtype, op, timeout_s)"),
+    fastcall<all_reduce_lean>("all_reduce_lean", "all_reduce_lean(handle, output, input, numel, dtype, op, timeout_s)"),
     fastcall<reduce_scatter_lean>("reduce_scatter_lean",
-                                  "reduce_scatter_lean(handle, input, output, chunk_numel, dtype, op, timeout_s)"),
+                                  "reduce_scatter_lean(handle, output, input, chunk_numel, dtype, op, timeout_s)"),
     fastcall<all_gather_lean>("all_gather_lean",
-                              "all_gather_lean(handle, input, output, chunk_numel, dtype, timeout_s)"),
+                              "all_gather_lean(handle, output, input, chunk_numel, dtype, timeout_s)"),
     fastcall<all_reduce_tensor>("all_reduce_tensor",
                                 "all_reduce_tensor(handle, tensor, op, timeout_s) -> whether it ran"),
     fastcall<reduce_scatter_tensors>("reduce_scatter_tensors",

@@ -32,6 +32,12 @@ struct alignas(64) OpDesc {
   uint64_t in_addr, out_addr;        // kCma: the buffers' addresses in the rank's own process
 };
 
+// A collective's buffers, as addresses in this process: distinct types, so that
+// swapping output and input does not compile. Every entry point takes
+// (output, input), as torch's reduce_scatter_tensor / all_gather_into_tensor.
+struct Output { uintptr_t address; };
+struct Input { uintptr_t address; };
+
 // Where rank r maps window `id` of every rank (see ShmWindow in shm_map.h).
 struct WindowTable {
   int64_t id;
@@ -104,9 +110,9 @@ class ShmComm {
   static void unlink(const std::string& name);
   static int64_t segment_nbytes(int world_size, const ShmConfig& config);
 
-  void all_reduce(uintptr_t input, uintptr_t output, int64_t numel, int dtype, int redop, double timeout_s);
-  void reduce_scatter(uintptr_t input, uintptr_t output, int64_t chunk_numel, int dtype, int redop, double timeout_s);
-  void all_gather(uintptr_t input, uintptr_t output, int64_t chunk_numel, int dtype, double timeout_s);
+  void all_reduce(Output output, Input input, int64_t numel, int dtype, int redop, double timeout_s);
+  void reduce_scatter(Output output, Input input, int64_t chunk_numel, int dtype, int redop, double timeout_s);
+  void all_gather(Output output, Input input, int64_t chunk_numel, int dtype, double timeout_s);
   void broadcast(uintptr_t buffer, int64_t numel, int dtype, int root, double timeout_s);
   void barrier(double timeout_s);
 
@@ -167,6 +173,7 @@ class ShmComm {
   void barrier_round(const char* op, double timeout_s);
   StepInfo begin_op(const char* op, int64_t num_steps, double timeout_s) const;
 
+  // The algorithms take (in, out) as const char* / char*: a swap does not compile.
   void all_reduce_oneshot(const char* in, char* out, const OpDesc& desc, StepInfo& step);
   void all_reduce_twoshot(const char* in, char* out, const OpDesc& desc, StepInfo& step);
 

@@ -23,15 +23,15 @@ void check_numel(const char* op, int64_t numel) {
 
 }  // namespace
 
-void ShmComm::all_reduce(uintptr_t input, uintptr_t output, int64_t numel, int dtype, int redop, double timeout_s) {
+void ShmComm::all_reduce(Output output, Input input, int64_t numel, int dtype, int redop, double timeout_s) {
   OpScope scope(caller_, state_, "all_reduce", rank_);
   const auto windows = lock_windows();
   check_numel("all_reduce", numel);
   const DType dt = to_dtype(dtype);
   to_redop(redop);
   const int64_t nbytes = numel * element_nbytes(dt);
-  const auto* in = reinterpret_cast<const char*>(input);
-  auto* out = reinterpret_cast<char*>(output);
+  const auto* in = reinterpret_cast<const char*>(input.address);
+  auto* out = reinterpret_cast<char*>(output.address);
   const OpDesc desc = describe(OpKind::kAllReduce, dtype, redop, -1, numel, in, nbytes, out, nbytes);
   if (desc.access != static_cast<int32_t>(Access::kStaged) && nbytes > config_.oneshot_max_nbytes) {
     StepInfo step = begin_op("all_reduce", 2, timeout_s);
@@ -102,15 +102,14 @@ void ShmComm::all_reduce_twoshot(const char* in, char* out, const OpDesc& desc, 
   }
 }
 
-void ShmComm::reduce_scatter(uintptr_t input, uintptr_t output, int64_t chunk_numel, int dtype, int redop,
-                             double timeout_s) {
+void ShmComm::reduce_scatter(Output output, Input input, int64_t chunk_numel, int dtype, int redop, double timeout_s) {
   OpScope scope(caller_, state_, "reduce_scatter", rank_);
   const auto windows = lock_windows();
   check_numel("reduce_scatter", chunk_numel);
   const DType dt = to_dtype(dtype);
   to_redop(redop);
-  const auto* in = reinterpret_cast<const char*>(input);
-  auto* out = reinterpret_cast<char*>(output);
+  const auto* in = reinterpret_cast<const char*>(input.address);
+  auto* out = reinterpret_cast<char*>(output.address);
   const int64_t esize = element_nbytes(dt);
   const OpDesc desc = describe(OpKind::kReduceScatter, dtype, redop, -1, chunk_numel, in,
                                world_size_ * chunk_numel * esize, out, chunk_numel * esize);
@@ -141,13 +140,13 @@ void ShmComm::reduce_scatter(uintptr_t input, uintptr_t output, int64_t chunk_nu
   }
 }
 
-void ShmComm::all_gather(uintptr_t input, uintptr_t output, int64_t chunk_numel, int dtype, double timeout_s) {
+void ShmComm::all_gather(Output output, Input input, int64_t chunk_numel, int dtype, double timeout_s) {
   OpScope scope(caller_, state_, "all_gather", rank_);
   const auto windows = lock_windows();
   check_numel("all_gather", chunk_numel);
   const DType dt = to_dtype(dtype);
-  const auto* in = reinterpret_cast<const char*>(input);
-  auto* out = reinterpret_cast<char*>(output);
+  const auto* in = reinterpret_cast<const char*>(input.address);
+  auto* out = reinterpret_cast<char*>(output.address);
   const int64_t esize = element_nbytes(dt);
   const OpDesc desc = describe(OpKind::kAllGather, dtype, -1, -1, chunk_numel, in, chunk_numel * esize, out,
                                world_size_ * chunk_numel * esize);

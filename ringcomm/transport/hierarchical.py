@@ -207,7 +207,7 @@ class HierarchicalTransport:
                 f"global ranks {list(host_ranks)}, cross-host ring ranks 0..{len(ring_ranks) - 1} are global "
                 f"ranks {ring_ranks}: {err}") from err
 
-    def all_reduce(self, input: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> None:
+    def all_reduce(self, *, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> None:
         input, output = input.view(-1), output.view(-1)
         numel, local_size = input.numel(), self.placement.local_world_size
         if numel * input.element_size() <= self.whole_max_nbytes:
@@ -231,12 +231,12 @@ class HierarchicalTransport:
         else:
             source, shard = input, own  # in place when input is output: own is chunk local_rank of it
         with self._step("all_reduce", 1, "local reduce-scatter"):
-            self.local.reduce_scatter(source, shard, sum_op)
+            self.local.reduce_scatter(output=shard, input=source, op=sum_op)
         with self._step("all_reduce", 2, "cross-host all-reduce"):
-            self.cross.all_reduce(shard, shard, sum_op)
+            self.cross.all_reduce(output=shard, input=shard, op=sum_op)
         self._finish_reduction(shard, own, op)
         with self._step("all_reduce", 3, "local all-gather"):
-            self.local.all_gather(own, output)
+            self.local.all_gather(output=output, input=own)
 
     def _all_reduce_whole(self, input: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> None:
         """Local all-reduce, then a cross-host all-reduce of all of it (every ring
@@ -244,12 +244,12 @@ class HierarchicalTransport:
         wide = input.dtype in LOW_PRECISION
         work = self._widened(0, input) if wide else output
         with self._step("all_reduce", 4, "local all-reduce"):
-            self.local.all_reduce(input if not wide else work, work, _level_op(op))
+            self.local.all_reduce(output=work, input=input if not wide else work, op=_level_op(op))
         with self._step("all_reduce", 5, "cross-host all-reduce"):
-            self.cross.all_reduce(work, work, _level_op(op))
+            self.cross.all_reduce(output=work, input=work, op=_level_op(op))
         self._finish_reduction(work, output, op)
 
-    def reduce_scatter(self, input: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> None:
+    def reduce_scatter(self, *, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> None:
         input, output = input.view(-1), output.view(-1)
         numel = output.numel()
         if numel == 0:
@@ -259,29 +259,30 @@ class HierarchicalTransport:
         for host, ranks in enumerate(self.placement.ranks_on):
             block = self._host_chunks(input, ranks, numel, acc_dtype)
             with self._step("reduce_scatter", 1, f"local reduce-scatter of host {host}'s chunks"):
-                self.local.reduce_scatter(block, partials[host * numel:(host + 1) * numel], _level_op(op))
+                self.local.reduce_scatter(output=partials[host * numel:(host + 1) * numel], input=block,
+                                          op=_level_op(op))
         result = output if acc_dtype == output.dtype else self._scratch[0].get(numel, acc_dtype, input.device)
         with self._step("reduce_scatter", 2, "cross-host reduce-scatter"):
-            self.cross.reduce_scatter(partials, result, _level_op(op))
+            self.cross.reduce_scatter(output=result, input=partials, op=_level_op(op))
         self._finish_reduction(result, output, op)
 
-    def all_gather(self, input: torch.Tensor, output: torch.Tensor) -> None:
+    def all_gather(self, *, output: torch.Tensor, input: torch.Tensor) -> None:
         input, output = input.view(-1), output.view(-1)
         numel = input.numel()
         if numel == 0:
             return
         gathered = self._scratch[0].get(self.placement.num_hosts * numel, input.dtype, input.device)
         with self._step("all_gather", 1, "cross-host all-gather"):
-            self.cross.all_gather(input, gathered)
+            self.cross.all_gather(output=gathered, input=input)
         for host, ranks in enumerate(self.placement.ranks_on):
             part = gathered[host * numel:(host + 1) * numel]
             if _consecutive(ranks):
                 with self._step("all_gather", 2, f"local all-gather of host {host}'s chunks"):
-                    self.local.all_gather(part, output[ranks[0] * numel:(ranks[-1] + 1) * numel])
+                    self.local.all_gather(output=output[ranks[0] * numel:(ranks[-1] + 1) * numel], input=part)
                 continue
             block = self._scratch[1].get(len(ranks) * numel, input.dtype, input.device)
             with self._step("all_gather", 2, f"local all-gather of host {host}'s chunks"):
-                self.local.all_gather(part, block)
+                self.local.all_gather(output=block, input=part)
             for local_rank, rank in enumerate(ranks):
                 output[rank * numel:(rank + 1) * numel].copy_(block[local_rank * numel:(local_rank + 1) * numel])
 

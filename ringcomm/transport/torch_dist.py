@@ -179,7 +179,7 @@ class TorchDistTransport:
                 f"{mine.tolist()}, ranks {bad} differ; all calls: {calls}"
             )
 
-    def all_reduce(self, input: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> None:
+    def all_reduce(self, *, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> None:
         with self._gate.call("all_reduce"):
             input, output = input.view(-1), output.view(-1)
             self._check_call("all_reduce", input, input.numel(), redop=int(op))
@@ -191,14 +191,14 @@ class TorchDistTransport:
                                 name="all_reduce", scratch=self._scratch)
             ring.all_gather(self._link, output, chunks, self._segment_numel(output), name="all_reduce")
 
-    def reduce_scatter(self, input: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> None:
+    def reduce_scatter(self, *, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> None:
         with self._gate.call("reduce_scatter"):
             input, output = input.view(-1), output.view(-1)
             self._check_call("reduce_scatter", input, output.numel(), redop=int(op))
             chunks = schedule.equal_chunks(output.numel(), self.world_size)
             ring.reduce_scatter(self._link, input, chunks, op, self._segment_numel(input), output, scratch=self._scratch)
 
-    def all_gather(self, input: torch.Tensor, output: torch.Tensor) -> None:
+    def all_gather(self, *, output: torch.Tensor, input: torch.Tensor) -> None:
         with self._gate.call("all_gather"):
             input, output = input.view(-1), output.view(-1)
             self._check_call("all_gather", input, input.numel())
