@@ -92,6 +92,42 @@ def train(stage, dtype, num_steps):
     return out
 
 
+def shared_tempdir():
+    root = tempfile.mkdtemp() if deepspeed.comm.get_rank() == 0 else None
+    shared = [root]
+    deepspeed.comm.broadcast_object_list(shared, 0)
+    return shared[0]
+
+
+def resume(stage, dtype, num_steps, more_steps):
+    """Saved after num_steps optimizer steps of accumulation 2 (an odd number:
+    2 * num_steps micro-steps, not a multiple of 4), resumed with accumulation
+    4; losses, lrs and grad norms of the resumed steps."""
+    rank, root = deepspeed.comm.get_rank(), shared_tempdir()
+    for accumulation, steps in ((ACCUMULATION, range(num_steps)), (2 * ACCUMULATION, range(num_steps, num_steps + more_steps))):
+        torch.manual_seed(0)
+        model = GPT()
+        settings = dict(config(stage, dtype), gradient_accumulation_steps=accumulation)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=settings)
+        if accumulation != ACCUMULATION:
+            engine.load_checkpoint(root)
+        out = {"loss": [], "lr": [], "grad_norm": [], "global_steps": engine.global_steps}
+        for step in steps:
+            for micro in range(accumulation):
+                loss = engine(*batch(step, micro, rank))
+                engine.backward(loss)
+                engine.step()
+            out["loss"].append(loss.item())
+            out["lr"].append(engine.get_lr()[0])
+            out["grad_norm"].append(float(engine.get_global_grad_norm()))
+        if accumulation == ACCUMULATION:
+            engine.save_checkpoint(root)
+    deepspeed.comm.barrier()
+    if rank == 0:
+        shutil.rmtree(root)
+    return out
+
+
 def comm_calls():
     rank, world_size = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
     out = {"rank": rank, "world_size": world_size, "local_rank": deepspeed.comm.get_local_rank(),
@@ -176,10 +212,7 @@ def engine_surface(stage, dtype):
     out["global_samples"], out["global_steps"] = engine.global_samples, engine.global_steps
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
         out["params"] = [p.detach().float().sum().item() for p in engine.module.parameters()]
-    root = tempfile.mkdtemp() if engine.global_rank == 0 else None
-    shared = [root]
-    deepspeed.comm.broadcast_object_list(shared, 0)
-    root = shared[0]
+    root = shared_tempdir()
     out["load_nothing"] = engine.load_checkpoint(os.path.join(root, "empty"))
     out["save"] = engine.save_checkpoint(root, client_state={"epoch": 3})
     for micro in range(ACCUMULATION):  # one more step, which each load below may or may not undo

@@ -18,6 +18,7 @@ import zero_reference  # noqa: F401  (puts the repo root on sys.path)
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dropin_script.py")
 NUM_STEPS = 20
 CASES = [(stage, dtype) for stage in (1, 2, 3) for dtype in ("fp32", "bf16")]
+RESUME_STAGES = (1, 2, 3)
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                      reason="deepspeed not installed (test extra)")
 
@@ -47,6 +48,8 @@ def script_worker(rank: int, world_size: int, engine: str) -> dict:
     out = {"surface": script.surface()}
     for stage, dtype in CASES:
         out[stage, dtype] = script.train(stage, dtype, NUM_STEPS)
+    for stage in RESUME_STAGES:
+        out["resume", stage] = script.resume(stage, "fp32", 5, 3)
     return out
 
 
@@ -85,6 +88,23 @@ def test_training_matches_deepspeed(runs, stage: int, dtype: str) -> None:
         assert norm_gap <= NORM_TOLERANCE[dtype], f"{case}: grad norms {got['grad_norm']} vs {want['grad_norm']}"
         param_gap = max(abs(g - w) for g, w in zip(got["params"], want["params"]))
         assert param_gap <= PARAM_TOLERANCE[dtype], f"{case}: parameter sums differ by {param_gap}"
+
+
+@needs_deepspeed
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("stage", RESUME_STAGES)
+def test_resume_with_another_accumulation_matches_deepspeed(runs, stage: int) -> None:
+    """Saved at optimizer step 5 with accumulation 2, resumed with 4 (10
+    micro-steps are not a multiple of 4): every resumed step accumulates 4
+    micro-batches in both engines, as DeepSpeed restores no micro-step count."""
+    for rank in range(2):
+        want, got = runs["deepspeed"][rank]["resume", stage], runs["zero"][rank]["resume", stage]
+        case = f"rank {rank} stage {stage} resumed with accumulation 4"
+        assert got["global_steps"] == want["global_steps"] == 5, f"{case}: {got['global_steps']=} {want['global_steps']=}"
+        assert got["lr"] == want["lr"], f"{case}: lr {got['lr']} != DeepSpeed's {want['lr']}"
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), f"{case}: losses {got['loss']} vs {want['loss']}"
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), \
+            f"{case}: grad norms {got['grad_norm']} vs DeepSpeed's {want['grad_norm']}"
 
 
 @needs_deepspeed

@@ -19,7 +19,7 @@ from harness import run_ranks
 from zero_reference import CLIP, LR, MICRO, engine_config, loss_fn, make_batch, make_model
 
 import zero
-from zero import checkpoint, to_fp32
+from zero import checkpoint_load, to_fp32
 
 KIND, SAVED_WORLD, SAVED_STEPS, MORE_STEPS = "tied", 2, 2, 3
 STAGES = (0, 1, 2, 3)
@@ -186,12 +186,12 @@ def test_resume_on_other_world_size(saved, world_size: int) -> None:
 
 
 def keywords_worker(rank: int, world_size: int, directory: str, params: dict) -> None:
-    """DeepSpeed's load_checkpoint keywords, through checkpoint.load (a 2-rank stage 2 save, loaded on 1 rank)."""
+    """DeepSpeed's load_checkpoint keywords, through checkpoint_load.load (a 2-rank stage 2 save, loaded on 1 rank)."""
     save_dir = os.path.join(directory, "stage2")
     for keywords, steps, has_states in (({}, SAVED_STEPS, True), ({"load_optimizer_states": False}, SAVED_STEPS, False),
                                         ({"load_module_only": True}, 0, False)):
         engine = new_engine(2, world_size)
-        path, client = checkpoint.load(engine, save_dir, **keywords)
+        path, client = checkpoint_load.load(engine, save_dir, **keywords)
         assert path.endswith("global_step2") and client == {}, f"{keywords}: {path} {client}"
         assert engine.global_steps == steps, f"{keywords}: {engine.global_steps=}"
         states = [s for s in engine.optimizer.state.values() if s]
@@ -202,7 +202,7 @@ def keywords_worker(rank: int, world_size: int, directory: str, params: dict) ->
             assert torch.equal(value, torch.from_numpy(params[2][name])), f"{keywords}: {name}"
     engine = new_engine(2, world_size)
     with pytest.raises(ValueError, match="no checkpoint directory"):
-        checkpoint.load(engine, save_dir, "global_step9")
+        checkpoint_load.load(engine, save_dir, "global_step9")
 
 
 def test_load_keywords(saved) -> None:

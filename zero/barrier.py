@@ -1,6 +1,8 @@
 """A barrier with a deadline on every backend: the default process group's
 store counts the ranks in, and a rank that waited too long names the ranks
-that did not arrive (checkpoint save and load wait on it).
+that did not arrive (checkpoint save and load wait on it). store_agree is the
+same barrier carrying each rank's error, so that every rank learns whether
+all of them succeeded.
 
 [Note: store barrier]
 Every rank counts its own barriers in the store (key count/rank{r}): ranks
@@ -26,12 +28,21 @@ PREFIX = "zero/barrier"
 def store_barrier(what: str, timeout_s: float) -> None:
     """Every rank of the default group reaches this point within `timeout_s`
     of this rank, or RuntimeError naming the missing ranks; see [Note: store barrier]."""
+    store_agree(what, timeout_s, None)
+
+
+def store_agree(what: str, timeout_s: float, error: str | None) -> list[tuple[int, str]]:
+    """store_barrier where each rank brings its error (None: it succeeded);
+    returns every rank's error, by rank, the same list on every rank
+    ([] when all succeeded). A rank's error is in the store before it counts
+    itself in, so whoever sees the barrier done sees every error."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
+        return [] if error is None else [(dist.get_rank() if dist.is_initialized() else 0, error)]
     rank, world_size = dist.get_rank(), dist.get_world_size()
     store = dist.distributed_c10d._get_default_store()
     number = store.add(f"{PREFIX}/count/rank{rank}", 1)
     key = f"{PREFIX}/{number}"
+    store.set(f"{key}/error{rank}", "ok" if error is None else "!" + error)
     store.set(f"{key}/rank{rank}", what)
     if store.add(f"{key}/arrived", 1) == world_size:
         store.set(f"{key}/done", "1")
@@ -41,3 +52,5 @@ def store_barrier(what: str, timeout_s: float) -> None:
         missing = [r for r in range(world_size) if not store.check([f"{key}/rank{r}"])]
         raise RuntimeError(f"{what}: rank {rank} waited {timeout_s} s at barrier {number}: rank(s) {missing} of "
                            f"{world_size} did not arrive (failed, hung or gone)") from None
+    errors = [(r, store.get(f"{key}/error{r}").decode()) for r in range(world_size)]
+    return [(r, message[1:]) for r, message in errors if message.startswith("!")]

@@ -1,64 +1,48 @@
-"""Checkpoints. save_dir/TAG/ holds, per rank, the named shards it updates
-(element ranges of each parameter: fp32 master and optimizer states) in
-zero_shards_rank{r}_of{W}.safetensors; from rank 0 engine_state.pt
-(counters, scaler, scheduler, optimizer hyperparameters, client_state) and
-model_states.pt (the module's whole state_dict in the training dtype).
-save_dir/latest names the last complete tag. Named shards load on any world
-size and stage: each rank reads the overlap of the saved ranges with its own.
+"""Saving checkpoints. save_dir/TAG/ holds, per rank, the named shards it
+updates (element ranges of each parameter: fp32 master and optimizer states)
+and, from rank 0, the engine state, the module's state_dict and a manifest
+(the files: checkpoint_files.py). save_dir/latest names the last complete tag.
+Named shards load on any world size and stage (checkpoint_load.py).
 
 [Note: atomic save]
     every rank   write save_dir/.TAG.partial/zero_shards_rank{r}_of{W}, fsync   "written"
-    barrier      (zero/barrier.py: each has a deadline and names the ranks missing)
-    rank 0       engine_state.pt, model_states.pt, fsync                          "committing"
+    agree        (zero/barrier.py: each has a deadline, names the ranks missing and carries their errors)
+    rank 0       engine_state.pt, model_states.pt, manifest.json, fsync           "committing"
                  TAG exists: rename TAG -> .TAG.previous                          "renamed_old"
                  rename .TAG.partial -> TAG, fsync save_dir, remove .previous     "before_latest"
                  write latest.tmp, fsync, rename -> latest
-    barrier      (other ranks wait here: "waiting")
+    agree        (other ranks wait here: "waiting")
 A kill at any point leaves the old TAG, or the new complete TAG, or (between
 the two renames) .TAG.previous alone, which load() and the next save() take
-back as TAG. `latest` never names an incomplete directory.
+back as TAG. `latest` never names an incomplete directory. A write that fails
+(full disk, read-only folder) is an error naming its path on every rank (the
+agreement carries it), and the .partial directory is removed; a save also
+removes the .partial directories that killed saves left behind.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
 import os
 import shutil
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import zlib
+from collections.abc import Callable, Iterator
+
 import torch
 
-from .barrier import store_barrier
+from .barrier import store_agree
+from .checkpoint_files import (ENGINE_STATE, FORMAT, MANIFEST, MODEL_STATES, NamedShard,
+                               manifest_entry, shard_file)
 from .tensorfile import SafetensorsReader, TensorSpec, fsync_dir, write_safetensors
 
-FORMAT = "zero-named-shards/1"
-ENGINE_STATE = "engine_state.pt"
-MODEL_STATES = "model_states.pt"
-BARRIER_TIMEOUT_S = 600.0  # the longest a rank waits for the others to finish writing
+log = logging.getLogger("zero")
+BARRIER_TIMEOUT_S = 600.0  # the longest a rank waits for the others (to write, to validate)
 phase_hook: Callable[[str, int], None] = lambda phase, rank: None  # tests kill a rank at a phase of save()
 
 
-def shard_file(directory: str, rank: int, world_size: int) -> str:
-    return os.path.join(directory, f"zero_shards_rank{rank}_of{world_size}.safetensors")
-
-
 # ---- what a rank holds: the seam where states may live elsewhere (offload) ----------------------
-@dataclass(slots=True)
-class NamedShard:
-    """Elements [offset, offset + numel) of parameter `name` (flattened) and,
-    under "master" and each optimizer state's key, their tensors: 1-D of numel
-    elements, or scalars (Adam's step). `group`: the optimizer's param group."""
-
-    name: str
-    offset: int
-    numel: int
-    group: int | None
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    @property
-    def key(self) -> str:
-        return f"{self.name}:{self.offset}"
-
-
 def master_slices(engine) -> list[tuple[NamedShard, torch.Tensor]]:
     """Every fp32 master slice this rank updates (the optimizer's parameters),
     named; the shard's tensors are left empty."""
@@ -96,85 +80,8 @@ def write_shards(path: str, shards: list[NamedShard]) -> None:
             specs.append(spec)
             tensors[spec.name] = tensor
     index = [[s.name, s.offset, s.numel, s.group] for s in shards]
-    write_safetensors(path, specs, lambda spec: tensors[spec.name], {"format": FORMAT, "shards": json.dumps(index)})
-
-
-class SavedShards:
-    """Every rank file of a checkpoint directory, indexed by parameter name."""
-
-    def __init__(self, directory: str, world_size: int) -> None:
-        self.readers = [SafetensorsReader(shard_file(directory, r, world_size)) for r in range(world_size)]
-        self.by_name: dict[str, list[tuple[SafetensorsReader, NamedShard]]] = {}
-        self.kinds: dict[tuple[int, str], set[str]] = {}  # (reader, shard key) -> "master" and the state keys
-        for r, reader in enumerate(self.readers):
-            if reader.metadata.get("format") != FORMAT:
-                raise ValueError(f"load_checkpoint: {reader.path} is not a {FORMAT} file")
-            for name, offset, numel, group in json.loads(reader.metadata["shards"]):
-                self.by_name.setdefault(name, []).append((reader, NamedShard(name, offset, numel, group)))
-            for spec in reader.specs:
-                key, kind = spec.rsplit(":", 1)
-                self.kinds.setdefault((r, key), set()).add(kind)
-
-    def overlaps(self, name: str, begin: int, end: int):
-        """(reader, saved shard, first element, last element + 1) of each saved
-        range of `name` overlapping [begin, end), in parameter coordinates."""
-        for reader, shard in self.by_name.get(name, ()):
-            lo, hi = max(begin, shard.offset), min(end, shard.offset + shard.numel)
-            if lo < hi:
-                yield reader, shard, lo, hi
-
-    def read(self, name: str, kind: str, out: torch.Tensor, begin: int) -> set[str]:
-        """Fills `out` (elements [begin, begin + out.numel()) of `name`'s `kind`
-        tensor) from the saved ranges; returns which kinds the ranges hold."""
-        covered, kinds = 0, set()
-        for reader, shard, lo, hi in self.overlaps(name, begin, begin + out.numel()):
-            reader.read(f"{shard.key}:{kind}", out[lo - begin:hi - begin], lo - shard.offset)
-            covered += hi - lo
-            kinds |= self.kinds[(self.readers.index(reader), shard.key)]
-        if covered != out.numel():
-            raise ValueError(f"load_checkpoint: the saved shards cover {covered} of elements [{begin}, "
-                             f"{begin + out.numel()}) of {name}")
-        return kinds
-
-    def close(self) -> None:
-        for reader in self.readers:
-            reader.close()
-
-
-def restore_named_shards(engine, saved: SavedShards, *, optimizer_states: bool) -> None:
-    """Reads every master slice this rank updates (and its optimizer states)
-    from the saved shards, whatever world size and stage wrote them."""
-    states = {}
-    with torch.no_grad():
-        for shard, view in master_slices(engine):
-            if shard.name not in saved.by_name:  # not saved, and load_module_strict is off
-                continue
-            kinds = saved.read(shard.name, "master", view, shard.offset)
-            if optimizer_states and shard.group is not None:
-                states[view] = {kind: saved_state(saved, shard, kind) for kind in sorted(kinds - {"master"})}
-    if optimizer_states:
-        load_optimizer_state(engine.optimizer, states)
-
-
-def saved_state(saved: SavedShards, shard: NamedShard, kind: str) -> torch.Tensor:
-    """One optimizer state of `shard`: an elementwise state is read over the
-    saved ranges; a scalar (Adam's step, equal on all) from the first."""
-    reader, first, _, _ = next(saved.overlaps(shard.name, shard.offset, shard.offset + shard.numel))
-    spec = reader.specs[f"{first.key}:{kind}"]
-    if spec.shape == (first.numel,):
-        out = torch.empty(shard.numel, dtype=spec.dtype)
-        saved.read(shard.name, kind, out, shard.offset)
-        return out
-    return reader.read(spec.name, torch.empty(spec.shape, dtype=spec.dtype))
-
-
-def load_optimizer_state(optimizer: torch.optim.Optimizer, states: dict[torch.Tensor, dict]) -> None:
-    """Hands per-parameter states to the optimizer through its own
-    load_state_dict (which moves them to each parameter's device)."""
-    state_dict = optimizer.state_dict()
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    state_dict["state"] = {i: states[p] for i, p in enumerate(params) if states.get(p)}
-    optimizer.load_state_dict(state_dict)
+    write_safetensors(path, specs, lambda spec: tensors[spec.name], {"format": FORMAT, "shards": json.dumps(index)},
+                      checksums=True)
 
 
 # ---- save -------------------------------------------------------------------------------------
@@ -185,12 +92,20 @@ def engine_state(engine, client_state: dict | None) -> dict:
         "dtype": str(engine.parts.dtype).removeprefix("torch."),
         "params": param_shapes(engine), "state_dict": state_dict_keys(engine),
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups],
-        "scaler": engine.parts.scaler.state_dict(),
+        "layout": batch_layout(engine), "scaler": engine.parts.scaler.state_dict(),
         "scheduler": scheduler.state_dict() if scheduler is not None and hasattr(scheduler, "state_dict") else None,
         "counters": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
                      "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps},
         "client_state": client_state or {},
     }
+
+
+def batch_layout(engine) -> dict[str, int]:
+    """What one optimizer step is made of: the micro-step counter means
+    nothing without it ([Note: what a resume restores] in checkpoint_load.py)."""
+    return {"world_size": engine.world_size, "micro_batch_size": engine.train_micro_batch_size_per_gpu(),
+            "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
+            "train_batch_size": engine.train_batch_size()}
 
 
 def param_shapes(engine) -> dict[str, tuple[int, ...]]:
@@ -224,11 +139,87 @@ def module_state_dict(engine, full: list[torch.Tensor], dtype: torch.dtype) -> d
     return state
 
 
-def _save_torch(obj: object, path: str) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
+@contextlib.contextmanager
+def writing(what: str, path: str) -> Iterator[None]:
+    """An OSError inside (full disk, read-only folder, ...) names `path`: the OS names none for a write."""
+    try:
+        yield
+    except OSError as error:
+        raise OSError(error.errno, f"{what}: writing {path}: {error.strerror or error}", path) from error
+
+
+def attempt(fn: Callable[[], None]) -> tuple[str | None, BaseException | None]:
+    """Runs fn; returns (None, None), or its error as a message and itself (for the agreement)."""
+    try:
+        fn()
+    except Exception as error:
+        return f"{type(error).__name__}: {error}", error
+    return None, None
+
+
+def agree(what: str, rank: int, failed: tuple[str | None, BaseException | None], *, partial: str | None) -> None:
+    """Every rank learns whether every rank succeeded; if any failed, every rank
+    raises the same error naming the ranks and their errors (rank 0 first
+    removes the .partial directory): a ValueError when every failure was one
+    (the caller's data), else a RuntimeError."""
+    message, error = failed
+    failures = store_agree(what, BARRIER_TIMEOUT_S, message)
+    if failures:
+        if rank == 0 and partial is not None:
+            shutil.rmtree(partial, ignore_errors=True)
+        kind = ValueError if all(m.startswith("ValueError:") for _, m in failures) else RuntimeError
+        raise kind(f"{what}: failed on rank(s) {[r for r, _ in failures]}: " +
+                   "; ".join(f"rank {r}: {m}" for r, m in failures)) from error
+
+
+def plain_bytes(state: dict) -> bytes:
+    """engine_state.pt's bytes, refused when they would not load as plain data."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    try:
+        torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    except Exception as error:
+        raise ValueError(f"save_checkpoint: the engine state (client_state included) must be plain data "
+                         f"(tensors, numbers, strings, lists, dicts) to load with weights_only=True: {error}") from None
+    return buffer.getvalue()
+
+
+def write_file(path: str, data: bytes) -> None:
+    with writing("save_checkpoint", path), open(path, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def prepare(save_dir: str, tag: str, partial: str) -> None:
+    """Rank 0: takes back a killed save's .TAG.previous, removes stale .partial directories, makes `partial`."""
+    with writing("save_checkpoint", save_dir):
+        os.makedirs(save_dir, exist_ok=True)
+        recover(save_dir, tag)
+        for name in os.listdir(save_dir):
+            if name.startswith(".") and name.endswith(".partial"):
+                shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+        os.makedirs(partial)
+
+
+def write_rank0_files(engine, state_bytes: bytes, full: list[torch.Tensor], partial: str) -> None:
+    """engine_state.pt, model_states.pt, then the manifest of every file."""
+    write_file(os.path.join(partial, ENGINE_STATE), state_bytes)
+    path = os.path.join(partial, MODEL_STATES)
+    with writing("save_checkpoint", path), open(path, "wb") as f:  # streamed: the whole model, in the training dtype
+        torch.save(module_state_dict(engine, full, engine.parts.dtype), f)
+        f.flush()
+        os.fsync(f.fileno())
+    files = {name: manifest_entry(os.path.join(partial, name), crc=True) for name in (ENGINE_STATE, MODEL_STATES)}
+    for r in range(engine.parts.comm.world_size):
+        path = shard_file(partial, r, engine.parts.comm.world_size)
+        with SafetensorsReader(path) as reader:
+            header_crc = zlib.crc32(reader.header_bytes)
+        files[os.path.basename(path)] = manifest_entry(path, header_crc=header_crc)
+    manifest = {"format": FORMAT, "files": files}
+    write_file(os.path.join(partial, MANIFEST), json.dumps(manifest, indent=1).encode())
+    with writing("save_checkpoint", partial):
+        fsync_dir(partial)
 
 
 def save(engine, save_dir: str, tag: str | None = None, client_state: dict | None = None, *,
@@ -240,26 +231,40 @@ def save(engine, save_dir: str, tag: str | None = None, client_state: dict | Non
         raise ValueError(f"save_checkpoint: tag {tag!r} must be a plain, non-hidden directory name")
     rank, world_size = engine.parts.comm.rank, engine.parts.comm.world_size
     directory, partial = os.path.join(save_dir, tag), os.path.join(save_dir, f".{tag}.partial")
+    what = f"save_checkpoint {directory}"
+    state_bytes = b""
     if rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        recover(save_dir, tag)
-        shutil.rmtree(partial, ignore_errors=True)
-        os.makedirs(partial)
-    store_barrier(f"save_checkpoint {directory}: {partial} made", BARRIER_TIMEOUT_S)
+        within = engine.micro_steps % engine.gradient_accumulation_steps()
+        if within:
+            log.warning(f"zero: {what}: saved {within} micro-steps into an accumulation of "
+                        f"{engine.gradient_accumulation_steps()}: their gradients are not saved, a resume starts "
+                        f"at the boundary after global step {engine.global_steps}")
+
+        def start() -> None:
+            nonlocal state_bytes
+            state_bytes = plain_bytes(engine_state(engine, client_state))
+            prepare(save_dir, tag, partial)
+    agree(f"{what}: {partial} made", rank, attempt(start) if rank == 0 else (None, None), partial=None)
     full = engine.full_params_fp32()  # collective: before any rank may stop at a barrier
-    with engine.parts.group.offloaded_states():  # offloaded masters and states as ordinary tensors while written
-        write_shards(shard_file(partial, rank, world_size), named_shards(engine))
+    path = shard_file(partial, rank, world_size)
+
+    def write() -> None:
+        with engine.parts.group.offloaded_states(), writing("save_checkpoint", path):  # offloaded states as tensors
+            write_shards(path, named_shards(engine))
+    failed = attempt(write)
     phase_hook("written", rank)
-    store_barrier(f"save_checkpoint {directory}: every rank's shards written", BARRIER_TIMEOUT_S)
+    agree(f"{what}: every rank's shards written", rank, failed, partial=partial)
+    failed = (None, None)
     if rank == 0:
-        _save_torch(engine_state(engine, client_state), os.path.join(partial, ENGINE_STATE))
-        _save_torch(module_state_dict(engine, full, engine.parts.dtype), os.path.join(partial, MODEL_STATES))
-        fsync_dir(partial)
-        phase_hook("committing", rank)
-        commit(save_dir, tag, partial, directory, save_latest=save_latest)
+        def finish() -> None:
+            write_rank0_files(engine, state_bytes, full, partial)
+            phase_hook("committing", rank)
+            with writing("save_checkpoint", directory):
+                commit(save_dir, tag, partial, directory, save_latest=save_latest)
+        failed = attempt(finish)
     else:
         phase_hook("waiting", rank)
-    store_barrier(f"save_checkpoint {directory}: rank 0 committed", BARRIER_TIMEOUT_S)
+    agree(f"{what}: rank 0 committed", rank, failed, partial=partial)
     return directory
 
 
@@ -292,97 +297,6 @@ def recover(save_dir: str, tag: str) -> None:
         else:
             os.rename(previous, directory)
             fsync_dir(save_dir)
-
-
-# ---- load -------------------------------------------------------------------------------------
-def resolve(load_dir: str, tag: str | None) -> str:
-    """The directory of `tag` (default: the one `latest` names)."""
-    if tag is None:
-        with open(os.path.join(load_dir, "latest")) as f:
-            tag = f.read().strip()
-    directory = os.path.join(load_dir, str(tag))
-    if not os.path.isdir(directory):
-        previous = os.path.join(load_dir, f".{tag}.previous")  # a save of this tag was killed between renames
-        if os.path.isdir(previous):
-            return previous
-        raise ValueError(f"load_checkpoint: no checkpoint directory {directory}")
-    return directory
-
-
-def load(engine, load_dir: str, tag: str | None = None, *, load_module_strict: bool = True,
-         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-         load_module_only: bool = False) -> tuple[str, dict]:
-    """Restores a checkpoint saved on any world size and stage (a collective
-    only in that every rank reads); returns (path, client_state) like DeepSpeed.
-    DeepSpeed's keywords: load_optimizer_states=False leaves the optimizer (and
-    the loss scale, which DeepSpeed keeps in it) as they are; load_module_only
-    restores the parameters only. The fp32 masters always come from the
-    checkpoint's (DeepSpeed rebuilds them from the 16-bit weights without the
-    optimizer states); load_module_strict checks the parameter names."""
-    directory = resolve(load_dir, tag)
-    state = torch.load(os.path.join(directory, ENGINE_STATE), weights_only=False)
-    if state.get("format") != FORMAT:
-        raise ValueError(f"load_checkpoint: {directory} is not a {FORMAT} checkpoint")
-    optimizer_states = load_optimizer_states and not load_module_only
-    if optimizer_states and len(state["param_groups"]) != len(engine.optimizer.param_groups):
-        raise ValueError(f"load_checkpoint: {directory} has {len(state['param_groups'])} optimizer param groups, "
-                         f"this engine {len(engine.optimizer.param_groups)}")
-    check_params(engine, directory, state["params"], strict=load_module_strict)
-    saved = SavedShards(directory, state["world_size"])
-    try:
-        with engine.parts.group.offloaded_states():  # written back to where they are offloaded on exit
-            restore_named_shards(engine, saved, optimizer_states=optimizer_states)
-    finally:
-        saved.close()
-    restore_module_extras(engine, directory, strict=load_module_strict)
-    if optimizer_states:
-        for group, hyper in zip(engine.optimizer.param_groups, state["param_groups"]):
-            group.update(hyper)
-    if not load_module_only:
-        restore_engine(engine, state, scaler=optimizer_states, scheduler=load_lr_scheduler_states)
-    engine.parts.group.publish_masters()
-    engine.parts.group.zero_grads()
-    return directory, state["client_state"]
-
-
-def check_params(engine, directory: str, saved: dict[str, tuple[int, ...]], *, strict: bool) -> None:
-    """The saved trainable parameters match the engine's by shape, and (strict) by name."""
-    shapes = param_shapes(engine)
-    wrong = [(name, saved[name], shape) for name, shape in shapes.items() if name in saved and saved[name] != shape]
-    if wrong:
-        raise ValueError(f"load_checkpoint: {directory}: (name, saved shape, model shape) differ: {wrong[:8]}")
-    missing, unexpected = sorted(set(shapes) - set(saved)), sorted(set(saved) - set(shapes))
-    if strict and (missing or unexpected):
-        raise ValueError(f"load_checkpoint: {directory} does not match the module (load_module_strict): "
-                         f"missing {missing[:8]}, unexpected {unexpected[:8]}")
-
-
-def restore_module_extras(engine, directory: str, *, strict: bool) -> None:
-    """Buffers and frozen parameters (not in any bucket) from model_states.pt."""
-    trainable = set(engine.parts.param_names)
-    trainable_ids = {id(p) for p in engine.parts.trainable}
-    tied = {name for name, p in engine.module.named_parameters(remove_duplicate=False) if id(p) in trainable_ids}
-    extras = {k: v for k, v in engine.module.state_dict().items() if k not in trainable and k not in tied}
-    if not extras:
-        return
-    saved = torch.load(os.path.join(directory, MODEL_STATES), mmap=True, weights_only=True)
-    missing = [k for k in extras if k not in saved]
-    if missing and strict:
-        raise ValueError(f"load_checkpoint: {MODEL_STATES} in {directory} lacks {missing[:8]} (load_module_strict)")
-    with torch.no_grad():
-        for key, tensor in extras.items():
-            if key in saved:
-                tensor.copy_(saved[key])
-
-
-def restore_engine(engine, state: dict, *, scaler: bool, scheduler: bool) -> None:
-    """Counters always; the loss scaler and the LR scheduler when asked."""
-    if scaler:
-        engine.parts.scaler.load_state_dict(state["scaler"])
-    if scheduler and state["scheduler"] is not None and engine.lr_scheduler is not None:
-        engine.lr_scheduler.load_state_dict(state["scheduler"])
-    for key, value in state["counters"].items():
-        setattr(engine, key, value)
 
 
 def save_16bit_model(engine, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:

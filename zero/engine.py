@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from . import checkpoint, checkpointing
+from . import checkpoint, checkpoint_load, checkpointing
 from .accounting import MemoryReport, memory_report
 from .backend import Comm
 from .config import EngineConfig
@@ -248,7 +248,10 @@ class ZeroEngine:
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn=None) -> tuple[str | None, dict | None]:
         """Returns (path, client_state), or (None, None) when `tag` is None and
-        load_dir has no `latest` file, as DeepSpeed. load_module_only restores
+        load_dir has no `latest` file, as DeepSpeed. Collective and all or
+        nothing: a checkpoint that does not check out on some rank is the same
+        ValueError on every rank, and no state changed (checkpoint_load.py).
+        A resume starts at an accumulation boundary. load_module_only restores
         the parameters only; the fp32 masters always come from the checkpoint
         (DeepSpeed rebuilds them from the 16-bit weights when it skips the
         optimizer states)."""
@@ -257,7 +260,7 @@ class ZeroEngine:
         if tag is None and not os.path.isfile(os.path.join(load_dir, "latest")):
             log.warning(f"zero: load_checkpoint: no 'latest' file in {load_dir}; nothing loaded")
             return None, None
-        return checkpoint.load(self, load_dir, tag, load_module_strict=load_module_strict,
+        return checkpoint_load.load(self, load_dir, tag, load_module_strict=load_module_strict,
                                load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states,
                                load_module_only=load_module_only)

@@ -4,7 +4,8 @@ than RAM can be written and consolidated with a bounded buffer.
 - safetensors: 8-byte little-endian header length, a JSON header
   {name: {dtype, shape, data_offsets}} (optional "__metadata__": str -> str),
   then the bytes. The safetensors package writes whole dicts only, hence this
-  writer; the tests read its files with the package.
+  writer; the tests read its files with the package. With checksums=True the
+  metadata also holds each tensor's crc32 ([Note: checksums in the header]).
 - torch.save's zip format: the skeleton is saved with
   torch.serialization.skip_data (storages reserved, not written) from
   placeholder tensors that are never touched, then each storage is written
@@ -16,6 +17,7 @@ import json
 import math
 import os
 import struct
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -25,6 +27,8 @@ SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16:
                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
                       torch.uint8: "U8", torch.bool: "BOOL"}
 DTYPE_OF = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
+CRC_KEY = "crc32"  # metadata key: JSON {tensor name: 8 hex digits}
+CHUNK_NBYTES = 1 << 20  # checksums stream through a buffer of this size
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,16 +60,37 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _write_bytes(f, spec: TensorSpec, tensor: torch.Tensor) -> None:
+def _write_bytes(f, spec: TensorSpec, tensor: torch.Tensor) -> int:
+    """Writes the tensor's bytes; returns their crc32."""
     if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
         raise ValueError(f"tensorfile: {spec.name}: got shape {tuple(tensor.shape)} {tensor.dtype}, "
                          f"expected {spec.shape} {spec.dtype}")
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    f.write(memoryview(flat.view(torch.uint8).numpy()))
+    data = memoryview(flat.view(torch.uint8).numpy())
+    f.write(data)
+    return zlib.crc32(data)
 
 
-def write_safetensors(path: str, specs: Sequence[TensorSpec], fill: Fill, metadata: dict[str, str] | None = None) -> None:
-    """Writes `specs` to a safetensors file, asking `fill` for one tensor at a time; fsyncs."""
+def _header_bytes(header: dict[str, object], metadata: dict[str, str], crcs: dict[str, int] | None) -> bytes:
+    if crcs is not None:
+        metadata = {**metadata, CRC_KEY: json.dumps({name: f"{crc:08x}" for name, crc in crcs.items()},
+                                                    separators=(",", ":"))}
+    if metadata:
+        header = {**header, "__metadata__": metadata}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    return raw + b" " * (-len(raw) % 8)  # the format allows trailing spaces; 8-byte alignment of the data
+
+
+def write_safetensors(path: str, specs: Sequence[TensorSpec], fill: Fill, metadata: dict[str, str] | None = None,
+                      *, checksums: bool = False) -> None:
+    """Writes `specs` to a safetensors file, asking `fill` for one tensor at a
+    time (with checksums=True, each tensor's crc32 goes into the metadata); fsyncs.
+
+    [Note: checksums in the header]
+    The header precedes the data, but a tensor's crc32 is known only once
+    `fill` produced it. The header is first written with every crc32 as
+    00000000 and rewritten in place at the end: the values are 8 hex digits
+    each, so the header's length (and every data offset) stays the same."""
     header: dict[str, object] = {}
     offset = 0
     for spec in specs:
@@ -74,35 +99,95 @@ def write_safetensors(path: str, specs: Sequence[TensorSpec], fill: Fill, metada
         header[spec.name] = {"dtype": SAFETENSORS_DTYPES[spec.dtype], "shape": list(spec.shape),
                              "data_offsets": [offset, offset + spec.nbytes]}
         offset += spec.nbytes
-    if metadata:
-        header["__metadata__"] = metadata
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the format allows trailing spaces; 8-byte alignment of the data
+    crcs = {spec.name: 0 for spec in specs} if checksums else None
+    raw = _header_bytes(header, metadata or {}, crcs)
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for spec in specs:
-            _write_bytes(f, spec, fill(spec))
+            crc = _write_bytes(f, spec, fill(spec))
+            if crcs is not None:
+                crcs[spec.name] = crc
+        if crcs is not None:
+            final = _header_bytes(header, metadata or {}, crcs)
+            assert len(final) == len(raw), f"write_safetensors({path}): the header changed length"
+            f.seek(8)
+            f.write(final)
         f.flush()
         os.fsync(f.fileno())
 
 
 class SafetensorsReader:
     """Reads element ranges of a safetensors file's tensors into given tensors
-    (no mapping of the file, so only the destination is resident)."""
+    (no mapping of the file, so only the destination is resident). Opening
+    checks the header against the file (every entry well formed, the data
+    offsets tile exactly the bytes after the header): a malformed, truncated
+    or empty file is a ValueError naming it."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.file = open(path, "rb")
+        try:
+            self._parse()
+        except BaseException:
+            self.file.close()
+            raise
+
+    def _parse(self) -> None:
+        nbytes = os.fstat(self.file.fileno()).st_size
+        if nbytes < 8:
+            raise ValueError(f"{self.path}: {nbytes} bytes: empty or truncated (a safetensors file starts with "
+                             f"an 8-byte header length)")
         (length,) = struct.unpack("<Q", self.file.read(8))
-        header = json.loads(self.file.read(length))
-        self.metadata: dict[str, str] = header.pop("__metadata__", {}) or {}
+        if length > nbytes - 8:
+            raise ValueError(f"{self.path}: header length {length} exceeds the {nbytes - 8} bytes after it: "
+                             f"corrupt header or truncated file")
+        self.header_bytes = self.file.read(length)
+        try:
+            header = json.loads(self.header_bytes)
+            if not isinstance(header, dict):
+                raise ValueError(f"a JSON {type(header).__name__}, not an object")
+            metadata = header.pop("__metadata__", None) or {}
+            if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+                raise ValueError("__metadata__ is not a str -> str object")
+            self.checksums = {k: int(v, 16) for k, v in json.loads(metadata.get(CRC_KEY, "{}")).items()}
+        except (UnicodeDecodeError, ValueError, TypeError, AttributeError) as error:
+            raise ValueError(f"{self.path}: corrupt header: {error}") from None
+        self.metadata: dict[str, str] = metadata
         self.data_start = 8 + length
         self.specs: dict[str, TensorSpec] = {}
         self.offsets: dict[str, int] = {}
+        end = 0
         for name, entry in header.items():
-            self.specs[name] = TensorSpec(name, tuple(entry["shape"]), DTYPE_OF[entry["dtype"]])
-            self.offsets[name] = entry["data_offsets"][0]
+            try:
+                spec = TensorSpec(name, tuple(int(d) for d in entry["shape"]), DTYPE_OF[entry["dtype"]])
+                begin, stop = (int(x) for x in entry["data_offsets"])
+            except (KeyError, TypeError, ValueError) as error:
+                raise ValueError(f"{self.path}: corrupt header entry {name!r}: {error!r}") from None
+            if min(spec.shape, default=0) < 0 or begin < 0 or stop - begin != spec.nbytes:
+                raise ValueError(f"{self.path}: corrupt header entry {name!r}: data_offsets [{begin}, {stop}) "
+                                 f"cannot hold {spec.shape} {spec.dtype} ({spec.nbytes} bytes)")
+            self.specs[name], self.offsets[name] = spec, begin
+            end = max(end, stop)
+        if end != nbytes - self.data_start:
+            raise ValueError(f"{self.path}: the header describes {end} bytes of data, the file holds "
+                             f"{nbytes - self.data_start}: truncated or corrupt")
+
+    def verify(self, name: str) -> None:
+        """Recomputes tensor `name`'s crc32 (streamed) and compares it with the one written at save."""
+        if name not in self.checksums:
+            raise ValueError(f"{self.path}: tensor {name} has no checksum in the header")
+        spec, crc, left = self.specs[name], 0, self.specs[name].nbytes
+        buffer = memoryview(bytearray(min(CHUNK_NBYTES, max(left, 1))))
+        self.file.seek(self.data_start + self.offsets[name])
+        while left:
+            got = self.file.readinto(buffer[:min(left, len(buffer))])
+            if not got:
+                raise ValueError(f"{self.path}: tensor {name} is truncated")
+            crc, left = zlib.crc32(buffer[:got], crc), left - got
+        if crc != self.checksums[name]:
+            raise ValueError(f"{self.path}: tensor {name} ({spec.shape} {spec.dtype}): crc32 {crc:08x}, "
+                             f"{self.checksums[name]:08x} written at save: the data is corrupt")
 
     def read(self, name: str, out: torch.Tensor, begin: int = 0) -> torch.Tensor:
         """Elements [begin, begin + out.numel()) of tensor `name`, flattened, into `out`."""

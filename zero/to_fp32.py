@@ -6,7 +6,8 @@ parameter at a time: peak memory is the largest parameter plus small buffers.
 
 CKPT_DIR is a save_dir (its `latest`, or --tag, picks the checkpoint) or a
 checkpoint directory itself; OUT's suffix .safetensors picks that format,
-anything else torch.save's.
+anything else torch.save's. The checkpoint's files are read as plain data and
+checked against the sizes and checksums written at save (checkpoint_files.py).
 """
 from __future__ import annotations
 
@@ -15,14 +16,15 @@ import os
 
 import torch
 
-from .checkpoint import ENGINE_STATE, FORMAT, MODEL_STATES, SavedShards, resolve
+from .checkpoint_files import (MANIFEST, MODEL_STATES, SavedShards, check_file, load_plain, read_engine_state,
+                               read_manifest, resolve)
 from .tensorfile import TensorSpec, write_safetensors, write_torch
 
 FORMATS = ("safetensors", "torch")
 
 
 def checkpoint_directory(checkpoint_dir: str, tag: str | None = None) -> str:
-    if tag is None and os.path.isfile(os.path.join(checkpoint_dir, ENGINE_STATE)):
+    if tag is None and os.path.isfile(os.path.join(checkpoint_dir, MANIFEST)):
         return checkpoint_dir
     return resolve(checkpoint_dir, tag)
 
@@ -39,12 +41,11 @@ def convert(checkpoint_dir: str, output: str, *, tag: str | None = None, fmt: st
     (written to OUT.tmp, then renamed); returns `output`."""
     directory = checkpoint_directory(checkpoint_dir, tag)
     fmt = output_format(output, fmt)
-    state = torch.load(os.path.join(directory, ENGINE_STATE), weights_only=False)
-    if state.get("format") != FORMAT:
-        raise ValueError(f"to_fp32: {directory} is not a {FORMAT} checkpoint")
+    manifest = read_manifest(directory)
+    state = read_engine_state(directory, manifest)
     extras = None
     if any(param is None for _, param in state["state_dict"]):
-        extras = torch.load(os.path.join(directory, MODEL_STATES), mmap=True, weights_only=True)
+        extras = load_plain(check_file(directory, manifest, MODEL_STATES, crc=True), mmap=True)
     specs, sources, aliases, first_key = [], {}, {}, {}
     for key, param in state["state_dict"]:
         if param is not None and param in first_key:
@@ -57,7 +58,7 @@ def convert(checkpoint_dir: str, output: str, *, tag: str | None = None, fmt: st
             value = extras[key]
             specs.append(TensorSpec(key, tuple(value.shape), torch.float32 if value.is_floating_point() else value.dtype))
         sources[key] = param
-    saved = SavedShards(directory, state["world_size"])
+    saved = SavedShards(directory, state["world_size"], manifest)
 
     def fill(spec: TensorSpec) -> torch.Tensor:
         param = sources[spec.name]
@@ -76,6 +77,10 @@ def convert(checkpoint_dir: str, output: str, *, tag: str | None = None, fmt: st
             specs = specs + [TensorSpec(alias, by_name[target].shape, torch.float32) for alias, target in aliases.items()]
             sources.update({alias: sources[target] for alias, target in aliases.items()})
             write_safetensors(partial, specs, fill, {"format": "pt"})
+    except BaseException:
+        if os.path.exists(partial):
+            os.remove(partial)
+        raise
     finally:
         saved.close()
     os.replace(partial, output)

@@ -1,0 +1,228 @@
+"""The files of a zero checkpoint directory and how they are read: as plain
+data only, each checked against what was written at save, every failure a
+ValueError naming the file (and the tensor or parameter).
+
+    zero_shards_rank{r}_of{W}.safetensors   per rank: named shards, a crc32 per tensor in the header
+    engine_state.pt                          rank 0: plain data (numbers, strings, lists, dicts, tensors)
+    model_states.pt                          rank 0: the module's state_dict in the training dtype
+    manifest.json                            rank 0, written last: every file's size; crc32 of the two
+                                             .pt files and of each shard file's header
+
+[Note: no code runs from a checkpoint]
+Nothing is unpickled beyond plain data: the .pt files are read with
+torch.load(weights_only=True), whose unpickler admits tensors, storages,
+dtypes and Python's primitive containers and refuses every other global
+(a planted __reduce__ is refused, not run); the shard files and the manifest
+are JSON and raw bytes. A checkpoint from an untrusted source can therefore
+hold wrong numbers (caught by the checks when they were damaged after the
+save, not when they were written so), never code.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+
+from .tensorfile import CHUNK_NBYTES, SafetensorsReader
+
+FORMAT = "zero-named-shards/2"
+ENGINE_STATE = "engine_state.pt"
+MODEL_STATES = "model_states.pt"
+MANIFEST = "manifest.json"
+DEEPSPEED_SUFFIXES = ("_model_states.pt", "_optim_states.pt")  # mp_rank_00_model_states.pt, zero_pp_rank_*
+ENGINE_STATE_KEYS = frozenset({"format", "world_size", "stage", "dtype", "layout", "params", "state_dict",
+                               "param_groups", "scaler", "scheduler", "counters", "client_state"})
+
+
+def shard_file(directory: str, rank: int, world_size: int) -> str:
+    return os.path.join(directory, f"zero_shards_rank{rank}_of{world_size}.safetensors")
+
+
+@dataclass(slots=True)
+class NamedShard:
+    """Elements [offset, offset + numel) of parameter `name` (flattened) and,
+    under "master" and each optimizer state's key, their tensors: 1-D of numel
+    elements, or scalars (Adam's step). `group`: the optimizer's param group."""
+
+    name: str
+    offset: int
+    numel: int
+    group: int | None
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}:{self.offset}"
+
+
+def resolve(load_dir: str, tag: str | None) -> str:
+    """The directory of `tag` (default: the one `latest` names)."""
+    if tag is None:
+        with open(os.path.join(load_dir, "latest")) as f:
+            tag = f.read().strip()
+    directory = os.path.join(load_dir, str(tag))
+    if not os.path.isdir(directory):
+        previous = os.path.join(load_dir, f".{tag}.previous")  # a save of this tag was killed between renames
+        if os.path.isdir(previous):
+            return previous
+        raise ValueError(f"load_checkpoint: no checkpoint directory {directory}")
+    return directory
+
+
+def file_crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK_NBYTES):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def manifest_entry(path: str, *, crc: bool = False, header_crc: int | None = None) -> dict:
+    entry: dict[str, object] = {"nbytes": os.path.getsize(path)}
+    if crc:
+        entry["crc32"] = f"{file_crc32(path):08x}"
+    if header_crc is not None:
+        entry["header_crc32"] = f"{header_crc:08x}"
+    return entry
+
+
+def read_manifest(directory: str) -> dict:
+    path = os.path.join(directory, MANIFEST)
+    deepspeed = sorted(f for f in os.listdir(directory) if f.endswith(DEEPSPEED_SUFFIXES))
+    if not os.path.isfile(path) and deepspeed:
+        raise ValueError(f"{directory} is a DeepSpeed checkpoint ({deepspeed[:3]}): zero does not resume "
+                         f"DeepSpeed's layout; its weights move with DeepSpeed's zero_to_fp32.py (docs/zero.md, "
+                         f"'Moving between DeepSpeed and zero')")
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} is missing: {directory} is not a complete {FORMAT} checkpoint (an older "
+                         f"zero's checkpoint, or not one of zero's)")
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        manifest = json.loads(raw)
+        files = manifest["files"]
+        if not isinstance(files, dict):
+            raise TypeError("'files' is not an object")
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{path}: corrupt ({len(raw)} bytes): {error!r}") from None
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{path}: format {manifest.get('format')!r}, this zero reads {FORMAT!r}")
+    return manifest
+
+
+def check_file(directory: str, manifest: dict, name: str, *, crc: bool) -> str:
+    """The path of `name`, whose size (and with crc, whose crc32) is the one written at save."""
+    path = os.path.join(directory, name)
+    entry = manifest["files"].get(name)
+    if not isinstance(entry, dict):
+        raise ValueError(f"{os.path.join(directory, MANIFEST)} does not list {name}")
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} is missing (listed in {MANIFEST})")
+    nbytes = os.path.getsize(path)
+    if nbytes != entry.get("nbytes"):
+        raise ValueError(f"{path}: {nbytes} bytes, {entry.get('nbytes')} written at save: truncated or replaced")
+    if crc and file_crc32(path) != int(str(entry.get("crc32")), 16):
+        raise ValueError(f"{path}: crc32 {file_crc32(path):08x}, {entry.get('crc32')} written at save: "
+                         f"the file is corrupt")
+    return path
+
+
+def load_plain(path: str, *, mmap: bool = False) -> object:
+    """torch.load with weights_only=True ([Note: no code runs from a checkpoint])."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as error:
+        raise ValueError(f"{path}: refused: it holds more than plain data (the weights_only unpickler admits "
+                         f"tensors, numbers, strings, lists and dicts); nothing in it was run: {error}") from None
+    except Exception as error:  # a damaged zip or pickle: the kinds torch raises are many
+        raise ValueError(f"{path}: unreadable: {type(error).__name__}: {error}") from None
+
+
+def read_engine_state(directory: str, manifest: dict) -> dict:
+    path = check_file(directory, manifest, ENGINE_STATE, crc=True)
+    state = load_plain(path)
+    if not isinstance(state, dict) or state.get("format") != FORMAT or not ENGINE_STATE_KEYS <= set(state):
+        keys = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"{path}: not a {FORMAT} engine state (keys {keys})")
+    return state
+
+
+class SavedShards:
+    """Every rank file of a checkpoint directory, indexed by parameter name.
+    Each file's size and header are checked against the manifest when opened,
+    and each tensor's crc32 before its first read."""
+
+    def __init__(self, directory: str, world_size: int, manifest: dict) -> None:
+        self.readers: list[SafetensorsReader] = []
+        self.by_name: dict[str, list[tuple[SafetensorsReader, NamedShard]]] = {}
+        self.kinds: dict[tuple[int, str], set[str]] = {}  # (reader, shard key) -> "master" and the state keys
+        self.verified: set[tuple[int, str]] = set()
+        try:
+            for r in range(world_size):
+                self.readers.append(self._open(directory, manifest, r, world_size))
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, directory: str, manifest: dict, r: int, world_size: int) -> SafetensorsReader:
+        name = os.path.basename(shard_file(directory, r, world_size))
+        reader = SafetensorsReader(check_file(directory, manifest, name, crc=False))
+        try:
+            expected = int(str(manifest["files"][name].get("header_crc32")), 16)
+            if zlib.crc32(reader.header_bytes) != expected:
+                raise ValueError(f"{reader.path}: header crc32 {zlib.crc32(reader.header_bytes):08x}, {expected:08x} "
+                                 f"written at save: corrupt header")
+            if reader.metadata.get("format") != FORMAT:
+                raise ValueError(f"{reader.path}: format {reader.metadata.get('format')!r}, not {FORMAT!r}")
+            for pname, offset, numel, group in json.loads(reader.metadata["shards"]):
+                self.by_name.setdefault(pname, []).append((reader, NamedShard(pname, offset, numel, group)))
+            for spec in reader.specs:
+                key, kind = spec.rsplit(":", 1)
+                self.kinds.setdefault((r, key), set()).add(kind)
+        except BaseException:
+            reader.close()
+            raise
+        return reader
+
+    def overlaps(self, name: str, begin: int, end: int):
+        """(reader, saved shard, first element, last element + 1) of each saved
+        range of `name` overlapping [begin, end), in parameter coordinates."""
+        for reader, shard in self.by_name.get(name, ()):
+            lo, hi = max(begin, shard.offset), min(end, shard.offset + shard.numel)
+            if lo < hi:
+                yield reader, shard, lo, hi
+
+    def tensor(self, reader: SafetensorsReader, shard: NamedShard, kind: str) -> str:
+        """The name of `shard`'s `kind` tensor in `reader`, its checksum verified."""
+        name = f"{shard.key}:{kind}"
+        if name not in reader.specs:
+            raise ValueError(f"{reader.path}: no tensor {name} (parameter {shard.name}, listed in the index)")
+        if (id(reader), name) not in self.verified:
+            reader.verify(name)
+            self.verified.add((id(reader), name))
+        return name
+
+    def read(self, name: str, kind: str, out: torch.Tensor, begin: int) -> set[str]:
+        """Fills `out` (elements [begin, begin + out.numel()) of `name`'s `kind`
+        tensor) from the saved ranges; returns which kinds the ranges hold."""
+        covered, kinds = 0, set()
+        for reader, shard, lo, hi in self.overlaps(name, begin, begin + out.numel()):
+            tensor = self.tensor(reader, shard, kind)
+            if reader.specs[tensor].shape != (shard.numel,):
+                raise ValueError(f"{reader.path}: {tensor} has shape {reader.specs[tensor].shape}, the index says "
+                                 f"({shard.numel},)")
+            reader.read(tensor, out[lo - begin:hi - begin], lo - shard.offset)
+            covered += hi - lo
+            kinds |= self.kinds[(self.readers.index(reader), shard.key)]
+        if covered != out.numel():
+            raise ValueError(f"load_checkpoint: the saved shards cover {covered} of elements [{begin}, "
+                             f"{begin + out.numel()}) of {name}")
+        return kinds
+
+    def close(self) -> None:
+        for reader in self.readers:
+            reader.close()

@@ -1,0 +1,265 @@
+"""Loading a checkpoint into an engine, all or nothing on every rank: each rank
+reads and checks everything it will use into staging tensors, the ranks agree
+that all of them did, and only then does any rank change its state.
+
+[Note: validate, agree, apply]
+    every rank   stage(): resolve the tag, read the manifest, the engine state
+                 (plain data), check names, shapes, dtypes, the batch layout,
+                 read every master slice and optimizer state this rank updates
+                 into new tensors, each saved tensor's crc32 checked first
+    agree        (zero/barrier.py: a deadline; carries each rank's error)
+    every rank   apply(): copy the staged values in, hand the optimizer its
+                 states, scheduler, scaler, counters; publish the masters
+If any rank failed to stage, every rank raises the same ValueError naming
+each failing rank's file and tensor or parameter, and no rank changed
+anything. Staging holds one extra copy of this rank's masters and states.
+
+[Note: what a resume restores]
+As DeepSpeed: global_steps, global_samples, skipped_steps, the LR scheduler,
+the loss scaler, the optimizer (fp32 masters, moments, step counts,
+hyperparameters), client_state; none of these depends on the batch layout
+(the scheduler and the scaler count optimizer steps). Neither engine saves
+RNG states. The micro-step counter is not restored: it
+only means something in the batch layout (world size, micro batch,
+accumulation) it was counted in. A resume starts at an accumulation boundary,
+micro_steps = global_steps * gradient_accumulation_steps (re-derived in this
+engine's layout), so a changed accumulation or world size starts its first
+step with a whole accumulation. A checkpoint saved between boundaries is
+resumed at the boundary before it (those micro-steps' gradients are not
+saved), with a warning. The scaler is restored only into the same precision
+and kind of scaler it was saved from (a bf16 or fp32 checkpoint's scale 1.0
+does not become an fp16 run's scale); otherwise the engine keeps the one its
+config made, and says so.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from . import checkpoint
+from .barrier import store_agree
+from .checkpoint import master_slices, param_shapes
+from .checkpoint_files import (MODEL_STATES, NamedShard, SavedShards, check_file, load_plain, read_engine_state,
+                               read_manifest, resolve)
+
+log = logging.getLogger("zero")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadOptions:
+    """DeepSpeed's load_checkpoint keywords."""
+
+    strict: bool = True
+    optimizer_states: bool = True
+    scheduler: bool = True
+    module_only: bool = False
+
+
+@dataclass(slots=True)
+class Staged:
+    """Everything a rank will apply, read and checked."""
+
+    directory: str
+    state: dict
+    masters: dict[str, torch.Tensor]  # shard key -> fp32 values of that master slice
+    optimizer: dict[str, dict[str, torch.Tensor]]  # shard key -> its optimizer state
+    extras: dict[str, torch.Tensor]  # buffers and frozen parameters, by state_dict key
+    scaler: bool  # restore the loss scaler
+
+
+def load(engine, load_dir: str, tag: str | None = None, *, load_module_strict: bool = True,
+         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+         load_module_only: bool = False) -> tuple[str, dict]:
+    """Collective: restores a checkpoint saved on any world size and stage,
+    all or nothing ([Note: validate, agree, apply]); returns (path,
+    client_state) like DeepSpeed. load_optimizer_states=False leaves the
+    optimizer (and the loss scale, which DeepSpeed keeps in it) as they are;
+    load_module_only restores the parameters only. The fp32 masters always
+    come from the checkpoint (DeepSpeed rebuilds them from the 16-bit weights
+    without the optimizer states); load_module_strict checks the parameter names."""
+    options = LoadOptions(load_module_strict, load_optimizer_states and not load_module_only,
+                          load_lr_scheduler_states, load_module_only)
+    staged, message, error = None, None, None
+    try:
+        staged = stage(engine, load_dir, tag, options)
+    except Exception as caught:  # every failure to read or check, agreed on below
+        message, error = f"{type(caught).__name__}: {caught}", caught
+    failures = store_agree(f"load_checkpoint {load_dir}", checkpoint.BARRIER_TIMEOUT_S, message)
+    if failures:
+        raise ValueError(f"load_checkpoint {load_dir} (tag {tag}): nothing was loaded on any rank; "
+                         + "; ".join(f"rank {r}: {m}" for r, m in failures)) from error
+    apply(engine, staged, options)
+    return staged.directory, staged.state["client_state"]
+
+
+# ---- stage: read and check, change nothing ---------------------------------------------------------
+def stage(engine, load_dir: str, tag: str | None, options: LoadOptions) -> Staged:
+    directory = resolve(load_dir, tag)
+    manifest = read_manifest(directory)
+    state = read_engine_state(directory, manifest)
+    check_engine(engine, directory, state, options)
+    saved = SavedShards(directory, state["world_size"], manifest)
+    try:
+        masters, optimizer = stage_shards(engine, saved, options)
+    finally:
+        saved.close()
+    extras = stage_extras(engine, directory, manifest, strict=options.strict)
+    return Staged(directory, state, masters, optimizer, extras, scaler=restores_scaler(engine, state, options))
+
+
+def check_engine(engine, directory: str, state: dict, options: LoadOptions) -> None:
+    """Parameter names and shapes, optimizer groups, scheduler kind, batch layout."""
+    where = f"{directory}/engine_state.pt"
+    if options.optimizer_states and len(state["param_groups"]) != len(engine.optimizer.param_groups):
+        raise ValueError(f"{where}: {len(state['param_groups'])} optimizer param groups, this engine "
+                         f"{len(engine.optimizer.param_groups)}")
+    check_params(engine, where, state["params"], strict=options.strict)
+    scheduler = engine.lr_scheduler
+    if restores_scheduler(engine, state, options):
+        saved, own = set(state["scheduler"]), set(scheduler.state_dict())
+        if saved != own:
+            raise ValueError(f"{where}: the saved LR scheduler's state has keys {sorted(saved)}, this engine's "
+                             f"{type(scheduler).__name__} {sorted(own)}: another kind of scheduler")
+    if not options.module_only:
+        warn_mid_accumulation(directory, state)
+
+
+def check_params(engine, where: str, saved: dict[str, tuple[int, ...]], *, strict: bool) -> None:
+    """The saved trainable parameters match the engine's by shape, and (strict) by name."""
+    shapes = param_shapes(engine)
+    wrong = [(name, tuple(saved[name]), shape) for name, shape in shapes.items()
+             if name in saved and tuple(saved[name]) != shape]
+    if wrong:
+        raise ValueError(f"{where}: (parameter, saved shape, model shape) differ: {wrong[:8]}")
+    missing, unexpected = sorted(set(shapes) - set(saved)), sorted(set(saved) - set(shapes))
+    if strict and (missing or unexpected):
+        raise ValueError(f"{where} does not match the module (load_module_strict): missing parameters "
+                         f"{missing[:8]}, unexpected {unexpected[:8]}")
+
+
+def warn_mid_accumulation(directory: str, state: dict) -> None:
+    counters, layout = state["counters"], state["layout"]
+    within = counters["micro_steps"] - counters["global_steps"] * layout["gradient_accumulation_steps"]
+    if within > 0:
+        log.warning(f"zero: load_checkpoint {directory}: saved {within} micro-steps into an accumulation of "
+                    f"{layout['gradient_accumulation_steps']}; their gradients are not in the checkpoint: training "
+                    f"resumes at the boundary after global step {counters['global_steps']}")
+
+
+def stage_shards(engine, saved: SavedShards, options: LoadOptions) -> tuple[dict, dict]:
+    """This rank's master slices (and optimizer states) read into new tensors."""
+    masters, optimizer = {}, {}
+    for shard, _ in master_slices(engine):  # names and ranges only: the views are not touched here
+        if shard.name not in saved.by_name:  # not saved, and load_module_strict is off
+            continue
+        out = torch.empty(shard.numel, dtype=torch.float32)
+        kinds = saved.read(shard.name, "master", out, shard.offset)
+        masters[shard.key] = out
+        if options.optimizer_states and shard.group is not None:
+            optimizer[shard.key] = {kind: saved_state(saved, shard, kind) for kind in sorted(kinds - {"master"})}
+    return masters, optimizer
+
+
+def saved_state(saved: SavedShards, shard: NamedShard, kind: str) -> torch.Tensor:
+    """One optimizer state of `shard`: an elementwise state is read over the
+    saved ranges; a scalar (Adam's step, equal on all) from the first."""
+    reader, first, _, _ = next(saved.overlaps(shard.name, shard.offset, shard.offset + shard.numel))
+    name = saved.tensor(reader, first, kind)
+    spec = reader.specs[name]
+    if spec.shape == (first.numel,):
+        out = torch.empty(shard.numel, dtype=spec.dtype)
+        saved.read(shard.name, kind, out, shard.offset)
+        return out
+    if spec.numel != 1:
+        raise ValueError(f"{reader.path}: {name} has shape {spec.shape}: neither elementwise ({first.numel},) "
+                         f"nor a scalar")
+    return reader.read(name, torch.empty(spec.shape, dtype=spec.dtype))
+
+
+def stage_extras(engine, directory: str, manifest: dict, *, strict: bool) -> dict[str, torch.Tensor]:
+    """Buffers and frozen parameters (not in any bucket) from model_states.pt, checked."""
+    trainable = set(engine.parts.param_names)
+    trainable_ids = {id(p) for p in engine.parts.trainable}
+    tied = {name for name, p in engine.module.named_parameters(remove_duplicate=False) if id(p) in trainable_ids}
+    extras = {k: v for k, v in engine.module.state_dict().items() if k not in trainable and k not in tied}
+    if not extras:
+        return {}
+    path = check_file(directory, manifest, MODEL_STATES, crc=True)
+    saved = load_plain(path, mmap=True)
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path}: a {type(saved).__name__}, not a state_dict")
+    missing = [k for k in extras if k not in saved]
+    if missing and strict:
+        raise ValueError(f"{path} lacks {missing[:8]} (load_module_strict)")
+    out = {}
+    for key, tensor in extras.items():
+        if key not in saved:
+            continue
+        value = saved[key]
+        if not isinstance(value, torch.Tensor) or value.shape != tensor.shape:
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"{path}: {key} is {got}, the module's {tuple(tensor.shape)}")
+        out[key] = value
+    return out
+
+
+def restores_scheduler(engine, state: dict, options: LoadOptions) -> bool:
+    return (options.scheduler and not options.module_only and state["scheduler"] is not None
+            and engine.lr_scheduler is not None and hasattr(engine.lr_scheduler, "load_state_dict"))
+
+
+def restores_scaler(engine, state: dict, options: LoadOptions) -> bool:
+    """[Note: what a resume restores]: only into the precision and kind of scaler it was saved from."""
+    if not options.optimizer_states:
+        return False
+    dtype = str(engine.parts.dtype).removeprefix("torch.")
+    own = engine.parts.scaler.state_dict()
+    if state["dtype"] != dtype or set(state["scaler"]) != set(own):
+        log.warning(f"zero: load_checkpoint: the checkpoint's loss scaler ({state['dtype']}, {state['scaler']}) "
+                    f"is not this engine's kind ({dtype}, {own}): the engine keeps its own")
+        return False
+    return True
+
+
+# ---- apply: nothing here reads a file -----------------------------------------------------------
+def apply(engine, staged: Staged, options: LoadOptions) -> None:
+    state = staged.state
+    with torch.no_grad(), engine.parts.group.offloaded_states():  # written back where they are offloaded on exit
+        states = {}
+        for shard, view in master_slices(engine):
+            if shard.key in staged.masters:
+                view.copy_(staged.masters[shard.key])
+                if shard.key in staged.optimizer:
+                    states[view] = staged.optimizer[shard.key]
+        if options.optimizer_states:
+            load_optimizer_state(engine.optimizer, states)
+    with torch.no_grad():
+        module_state = engine.module.state_dict()
+        for key, value in staged.extras.items():
+            module_state[key].copy_(value)
+    if options.optimizer_states:
+        for group, hyper in zip(engine.optimizer.param_groups, state["param_groups"]):
+            group.update(hyper)
+    if not options.module_only:
+        if staged.scaler:
+            engine.parts.scaler.load_state_dict(state["scaler"])
+        if restores_scheduler(engine, state, options):
+            engine.lr_scheduler.load_state_dict(state["scheduler"])
+        counters = state["counters"]
+        engine.global_steps = counters["global_steps"]
+        engine.global_samples = counters["global_samples"]
+        engine.skipped_steps = counters["skipped_steps"]
+        engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()  # a boundary
+    engine.parts.group.publish_masters()
+    engine.parts.group.zero_grads()
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, states: dict[torch.Tensor, dict]) -> None:
+    """Hands per-parameter states to the optimizer through its own
+    load_state_dict (which moves them to each parameter's device)."""
+    state_dict = optimizer.state_dict()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state_dict["state"] = {i: states[p] for i, p in enumerate(params) if states.get(p)}
+    optimizer.load_state_dict(state_dict)
