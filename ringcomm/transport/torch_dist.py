@@ -187,8 +187,8 @@ class TorchDistTransport:
             own = chunks[self.rank]
             # In place is safe: the ring writes output's own chunk only in its last step,
             # element by element from the same elements of input.
-            ring.reduce_scatter(self._link, input, chunks, op, self._segment_numel(input), output[own.begin:own.end],
-                                name="all_reduce", scratch=self._scratch)
+            ring.reduce_scatter(self._link, output=output[own.begin:own.end], input=input, chunks=chunks, op=op,
+                                segment_numel=self._segment_numel(input), name="all_reduce", scratch=self._scratch)
             ring.all_gather(self._link, output, chunks, self._segment_numel(output), name="all_reduce")
 
     def reduce_scatter(self, *, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> None:
@@ -196,7 +196,8 @@ class TorchDistTransport:
             input, output = input.view(-1), output.view(-1)
             self._check_call("reduce_scatter", input, output.numel(), redop=int(op))
             chunks = schedule.equal_chunks(output.numel(), self.world_size)
-            ring.reduce_scatter(self._link, input, chunks, op, self._segment_numel(input), output, scratch=self._scratch)
+            ring.reduce_scatter(self._link, output=output, input=input, chunks=chunks, op=op,
+                                segment_numel=self._segment_numel(input), scratch=self._scratch)
 
     def all_gather(self, *, output: torch.Tensor, input: torch.Tensor) -> None:
         with self._gate.call("all_gather"):
