@@ -10,6 +10,7 @@ import pytest
 
 import zero_reference  # noqa: F401  (puts the repo root on sys.path)
 from zero import config as cfg
+from zero.no_effect import NO_EFFECT, NoEffectWarning
 from zero.partition import ShardingPolicy, wire_numel
 from zero.precision import DynamicLossScaler, ScalerOptions
 
@@ -105,6 +106,7 @@ def test_shared_configs_parse_with_auto_resolved(name: str) -> None:
     facts = cfg.ModelFacts(2, "float16", 64, {"train_micro_batch_size_per_gpu": 4})
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no unknown key in the users' configs
+        warnings.simplefilter("ignore", NoEffectWarning)  # DeepSpeed keys zero does not act on: see below
         parsed = cfg.parse(os.path.join(CONFIGS, name), facts)
     raw = json.load(open(os.path.join(CONFIGS, name)))
     assert parsed.zero.stage == raw["zero_optimization"]["stage"]
@@ -172,3 +174,31 @@ def test_offload_and_aio_sections() -> None:
     assert parsed.zero.offload_param_options == cfg.OffloadOptions(
         device="nvme", nvme_path="/y", buffer_count=5, buffer_size=4096, max_in_cpu=0)
     assert parsed.aio == cfg.AioOptions(block_size=8192, queue_depth=4, thread_count=2, single_submit=True)
+
+
+def test_keys_without_effect_warn_once_when_they_ask_for_something() -> None:
+    """Each key of the one table warns (once) when its value asks for what zero does
+    not do, and stays quiet when it asks for what zero does anyway."""
+    asking = {"zero_optimization": {"reduce_scatter": False, "contiguous_gradients": False, "stage": 2},
+              "prescale_gradients": True, "tensorboard": {"enabled": True}, "steps_per_print": 10}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        cfg.parse(asking, FACTS)
+        cfg.parse(asking, FACTS)  # once per key and process
+    said = sorted(str(w.message).split("=")[0].removeprefix("zero config: ") for w in caught
+                  if issubclass(w.category, NoEffectWarning))
+    assert said == ["prescale_gradients", "steps_per_print", "tensorboard", "zero_optimization.contiguous_gradients",
+                    "zero_optimization.reduce_scatter"], said
+    quiet = {"zero_optimization": {"reduce_scatter": True, "contiguous_gradients": True, "stage": 2},
+             "prescale_gradients": False, "tensorboard": {"enabled": False}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg.parse(quiet, FACTS)
+    with pytest.raises(ValueError, match="zero_optimization.reduce_scatter"):
+        cfg.parse({"zero_optimization": {"reduce_scatter": "yes"}}, FACTS)  # still validated
+
+
+def test_every_key_without_effect_is_documented() -> None:
+    docs = open(os.path.join(os.path.dirname(__file__), "..", "docs", "zero.md")).read()
+    missing = [key for key in NO_EFFECT if f"`{key}`" not in docs]
+    assert not missing, f"docs/zero.md does not list {missing}"

@@ -8,6 +8,7 @@ import os
 import warnings
 from dataclasses import dataclass, field
 
+from .no_effect import warn_no_effect
 from .partition import STAGES, ShardingPolicy
 from .precision import ScalerOptions
 
@@ -16,7 +17,7 @@ TOP_KEYS = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
     "fp16", "bf16", "optimizer", "scheduler", "zero_allow_untested_optimizer", "zero_optimization",
     "activation_checkpointing", "comm_backend",
-    # accepted with no effect here (logging and knobs of DeepSpeed's own runtime)
+    # accepted with no effect here (logging and knobs of DeepSpeed's own runtime): see no_effect.py
     "steps_per_print", "wall_clock_breakdown", "prescale_gradients", "gradient_predivide_factor",
     "communication_data_type", "dump_state", "tensorboard", "wandb", "csv_monitor", "flops_profiler",
     "memory_breakdown", "zero_force_ds_cpu_optimizer", "seed", "aio",
@@ -104,15 +105,10 @@ class AioOptions:
 class ZeroOptions:
     stage: int = 0
     reduce_bucket_size: int = 500_000_000
-    allgather_bucket_size: int = 500_000_000
     overlap_comm: bool = True
-    contiguous_gradients: bool = True
-    reduce_scatter: bool = True
     prefetch_bucket_size: int = 50_000_000
     param_persistence_threshold: int = 100_000
     max_live_parameters: int = 1_000_000_000
-    max_reuse_distance: int = 1_000_000_000
-    gather_16bit_weights_on_model_save: bool = False
     sub_group_size: int = 1_000_000_000
     offload_optimizer: str = "none"  # the device of offload_optimizer_options, for a quick test
     offload_param: str = "none"
@@ -286,11 +282,11 @@ def _zero(section: dict, facts: ModelFacts) -> ZeroOptions:
         raise ValueError(f"zero config: zero_optimization.stage must be one of {STAGES}, got {stage!r}")
     sizes = {key: _int(_get(section, key, default, auto), z + key, minimum) for key, default, auto, minimum in (
         ("reduce_bucket_size", d.reduce_bucket_size, h * h, 1),
-        ("allgather_bucket_size", d.allgather_bucket_size, h * h, 1),
+        ("allgather_bucket_size", 500_000_000, h * h, 1),
         ("stage3_prefetch_bucket_size", d.prefetch_bucket_size, int(0.9 * h * h), 0),
         ("stage3_param_persistence_threshold", d.param_persistence_threshold, 10 * h, 0),
         ("stage3_max_live_parameters", d.max_live_parameters, d.max_live_parameters, 0),
-        ("stage3_max_reuse_distance", d.max_reuse_distance, d.max_reuse_distance, 0),
+        ("stage3_max_reuse_distance", 1_000_000_000, 1_000_000_000, 0),
         ("sub_group_size", d.sub_group_size, d.sub_group_size, 1))}
     flags = {key: _bool(_get(section, key, default, default), z + key) for key, default in (
         ("overlap_comm", True), ("contiguous_gradients", True), ("reduce_scatter", True),
@@ -298,15 +294,12 @@ def _zero(section: dict, facts: ModelFacts) -> ZeroOptions:
         ("round_robin_gradients", False))}
     offload_optimizer = _offload(section.get("offload_optimizer"), "offload_optimizer", stage)
     offload_param = _offload(section.get("offload_param"), "offload_param", stage)
+    # The other sizes and flags are validated but have no effect (no_effect.py warns about them).
     return ZeroOptions(
-        stage=stage, reduce_bucket_size=sizes["reduce_bucket_size"],
-        allgather_bucket_size=sizes["allgather_bucket_size"], overlap_comm=flags["overlap_comm"],
-        contiguous_gradients=flags["contiguous_gradients"], reduce_scatter=flags["reduce_scatter"],
+        stage=stage, reduce_bucket_size=sizes["reduce_bucket_size"], overlap_comm=flags["overlap_comm"],
         prefetch_bucket_size=sizes["stage3_prefetch_bucket_size"],
         param_persistence_threshold=sizes["stage3_param_persistence_threshold"],
         max_live_parameters=sizes["stage3_max_live_parameters"],
-        max_reuse_distance=sizes["stage3_max_reuse_distance"],
-        gather_16bit_weights_on_model_save=flags["stage3_gather_16bit_weights_on_model_save"],
         sub_group_size=sizes["sub_group_size"], offload_optimizer=offload_optimizer.device,
         offload_param=offload_param.device, offload_optimizer_options=offload_optimizer,
         offload_param_options=offload_param)
@@ -376,6 +369,7 @@ def parse(config: str | os.PathLike | dict, facts: ModelFacts) -> EngineConfig:
     """The engine's view of a DeepSpeed config."""
     raw = load(config)
     _warn_unknown(raw, TOP_KEYS, "")
+    warn_no_effect(raw)
     for key in ("fp16", "bf16", "zero_optimization"):
         if not isinstance(raw.get(key, {}), dict):
             raise ValueError(f"zero config: {key} must be an object, got {raw[key]!r}")
