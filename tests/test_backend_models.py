@@ -30,9 +30,9 @@ def count_transport_calls() -> collections.Counter:
 
     calls: collections.Counter = collections.Counter()
     for name in TRANSPORT_OPS:
-        def counted(self, *args, _name=name, _original=getattr(ShmTransport, name)):
+        def counted(self, *args, _name=name, _original=getattr(ShmTransport, name), **kwargs):
             calls[_name] += 1
-            return _original(self, *args)
+            return _original(self, *args, **kwargs)
         setattr(ShmTransport, name, counted)
     for name in LEAN_OPS:
         def counted_lean(*args, _name=name, _original=getattr(_C, name)):
