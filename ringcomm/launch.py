@@ -6,11 +6,23 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
 from .work import Work
+
+class Collectives(Protocol):
+    """The two collectives the scheduler launches (a ringcomm group, or zero's
+    comm seam over torch.distributed). Handles have wait() and get_future()."""
+
+    rank: int
+    world_size: int
+
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False) -> Work: ...
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Work: ...
+
 
 # start(async_op) calls the collective; with async_op=True it returns its Work.
 StartCollective = Callable[[bool], Work | None]

@@ -1,6 +1,7 @@
-"""BucketScheduler: reduces the gradients of bucketed parameters while backward
-is still running (DDP-style flat buffers, and every ZeRO stage), and reports
-how much of it was hidden.
+"""The bucket schedulers' shared machinery (BucketLauncher) and ZeRO's own
+(OwnedBucketScheduler; the DDP-style one is flat_scheduler.BucketScheduler):
+they reduce the gradients of bucketed parameters while backward is still
+running, and report how much of it was hidden.
 
 [Note: bucket launch order]
 Ranks must issue the same collectives in the same order. A bucket is launched
@@ -44,89 +45,28 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Protocol
 
 import torch
 
-from .buffer import FlatBuffer, GradBucket
-from .collectives import all_reduce, broadcast, reduce_scatter
-from .group import Group, resolve_group
-from .launch import EMPTY_REPORT, OverlapReport, StreamLaunch, ThreadLaunch, overlap_report, stream_report
-from .ops import ReduceOp, to_reduce_op
+from .buffer import GradBucket
+from .launch import EMPTY_REPORT, Collectives, OverlapReport, StreamLaunch, ThreadLaunch, overlap_report, stream_report
 from .work import Work
 
 MODES = ("reduce_scatter", "all_reduce")
-Slot = tuple[int, int]  # (buffer index, parameter index in that buffer)
 
 
-class Collectives(Protocol):
-    """The two collectives the scheduler launches (a ringcomm group, or zero's
-    comm seam over torch.distributed). Handles have wait() and get_future()."""
-
-    rank: int
-    world_size: int
-
-    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False) -> Work: ...
-
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Work: ...
-
-
-class GroupCollectives:
-    """A ringcomm Group with a fixed reduce op, as Collectives."""
-
-    def __init__(self, group: Group, op: ReduceOp) -> None:
-        self.group, self.op = group, op
-        self.rank, self.world_size = group.rank, group.world_size
-
-    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False) -> Work:
-        return all_reduce(tensor, self.op, self.group, async_op) or Work.completed("all_reduce", self.rank)
-
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Work:
-        return reduce_scatter(output, input, self.op, self.group, async_op) or Work.completed("reduce_scatter", self.rank)
-
-
-class BucketScheduler:
-    """Launches each bucket's collective as soon as its gradients are ready.
-
-    BucketScheduler(buffers, group, ...) serves flat buffers (`.grad` are views
-    of the buffers); BucketScheduler.for_buckets(...) serves GradBuckets laid
-    out by their owner (the ZeRO engine). Per step: run backward (the hooks
-    call mark_ready), then finish(); zero_grad() starts a new accumulation window.
+class BucketLauncher:
+    """Launches each bucket's collective as soon as its gradients are ready: what
+    both schedulers share. Per step: run backward (the hooks call mark_ready),
+    then finish(); zero_grad() starts a new accumulation window. BucketScheduler
+    (flat_scheduler.py) serves flat buffers, whose `.grad` are views of the
+    buffers; OwnedBucketScheduler serves GradBuckets laid out and owned by the
+    ZeRO engine.
     """
 
-    def __init__(self, buffers: Sequence[FlatBuffer], group: Group | None = None, *, mode: str = "reduce_scatter",
-                 op: object = ReduceOp.AVG, overlap: bool = True, find_unused_parameters: bool = False,
-                 timeout: float | None = None) -> None:
-        if len({b.device.type for b in buffers}) > 1:
-            raise ValueError(f"BucketScheduler: buffers on {[str(b.device) for b in buffers]}: use one scheduler per device type")
-        group = resolve_group(group, "BucketScheduler")
-        for buffer in buffers:
-            if buffer.world_size != group.world_size:
-                raise ValueError(f"BucketScheduler: {buffer} was laid out for world_size {buffer.world_size}, "
-                                 f"the group has {group.world_size} (rank {group.rank})")
-        self.group = group
-        self.buffers = list(buffers)
-        collectives = GroupCollectives(group, to_reduce_op(op, where="BucketScheduler"))
-        self._init(self._buffer_buckets(), collectives, mode=mode, overlap=overlap, bind_grads=True,
-                   find_unused_parameters=find_unused_parameters,
-                   timeout_s=timeout if timeout is not None else group.transport.timeout_s + 5.0)
-
-    @classmethod
-    def for_buckets(cls, buckets: Sequence[GradBucket], collectives: Collectives, *, mode: str, scale: float,
-                    timeout_s: float, on_launch: Callable[[GradBucket], None] | None = None) -> BucketScheduler:
-        """Buckets whose owner keeps their parameters' values (ZeRO): gradients
-        are added times `scale` into the buckets and `.grad` is dropped;
-        parameters without a gradient count as zero; `on_launch(bucket)` runs
-        right after each bucket's collective started."""
-        self = cls.__new__(cls)
-        self.group, self.buffers = None, []
-        self._init(list(buckets), collectives, mode=mode, overlap=True, bind_grads=False, scale=scale,
-                   find_unused_parameters=True, timeout_s=timeout_s, on_launch=on_launch)
-        return self
-
-    def _init(self, buckets: list[GradBucket], collectives: Collectives, *, mode: str, overlap: bool,
-              bind_grads: bool, find_unused_parameters: bool, timeout_s: float, scale: float = 1.0,
-              on_launch: Callable[[GradBucket], None] | None = None) -> None:
+    def __init__(self, buckets: list[GradBucket], collectives: Collectives, *, mode: str, overlap: bool,
+                 bind_grads: bool, find_unused_parameters: bool, timeout_s: float, scale: float = 1.0,
+                 on_launch: Callable[[GradBucket], None] | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"BucketScheduler: mode={mode!r} is not one of {MODES}")
         self.mode, self.collectives, self.overlap = mode, collectives, overlap
@@ -146,11 +86,6 @@ class BucketScheduler:
         self._index_params()
         self._launch_order = self._plan_launch_order(None)
         self._reset_step()
-
-    def _buffer_buckets(self) -> list[GradBucket]:
-        return [GradBucket(buffer.layout, k, [buffer.params[i] for i in span.param_indices], self.group.rank,
-                           persistent=buffer.bucket_view(k)) for buffer in self.buffers for k, span in
-                enumerate(buffer.layout.buckets)]
 
     def _index_params(self) -> None:
         self._where = {id(p): (k, n) for k, bucket in enumerate(self.buckets) for n, p in enumerate(bucket.params)}
@@ -188,27 +123,6 @@ class BucketScheduler:
         keys = [(max((position.get(id(p), len(position)) for p in bucket.params), default=0), k)
                 for k, bucket in enumerate(self.buckets)]
         return [k for _, k in sorted(keys)]
-
-    def rebuild_buckets(self) -> None:
-        """Collective (flat buffers): re-lays out every buffer in rank 0's ready
-        order of the last synchronized step (allocates new buffers: call it
-        once, after the first step, before an optimizer captures views)."""
-        if not self.buffers:
-            raise ValueError("BucketScheduler.rebuild_buckets: only flat buffers are re-laid out; the owner of "
-                             "GradBuckets plans their layout")
-        ids = {id(p): n for n, p in enumerate(self._params)}
-        seen = [ids[id(p)] for p in self._last_observed]
-        seen += [n for n in range(len(self._params)) if n not in set(seen)]
-        order = torch.tensor(seen, dtype=torch.int64)
-        broadcast(order, 0, self.group)
-        observed = [self._params[n] for n in order.tolist()]
-        for buffer in self.buffers:
-            members = {id(p) for p in buffer.params}
-            buffer.reorder([buffer.index_of(p) for p in observed if id(p) in members])
-        self.buckets = self._buffer_buckets()
-        self._index_params()
-        self._launch_order = self._plan_launch_order(observed)
-        self._reset_step()
 
     # -- one step -------------------------------------------------------------
     def _reset_step(self) -> None:
@@ -452,23 +366,22 @@ class BucketScheduler:
             self._sync_enabled = previous
 
     # -- after a step -----------------------------------------------------------
-    def grad_shards(self) -> list[list[torch.Tensor]]:
-        """Flat buffers: this rank's chunk of every bucket of every buffer: [buffer][bucket]."""
-        rank = self.collectives.rank
-        return [[buf.shard_view(k.index, rank) for k in buf.layout.buckets] for buf in self.buffers]
-
     def zero_grad(self) -> None:
-        """Starts a new accumulation window (flat buffers: zeroes them and keeps
-        every `.grad` bound; otherwise the next writes overwrite, no memset)."""
-        for buffer in self.buffers:
-            buffer.zero_grad()
+        """Starts a new accumulation window: the next writes overwrite, no memset."""
         for bucket in self.buckets:
             bucket.fresh = bucket.accumulator_fresh = True
 
-    def observed_order(self) -> list[Slot]:
-        """Flat buffers: (buffer, param) slots in the order the last synchronized step marked them ready."""
-        slots = {id(p): (b, i) for b, buffer in enumerate(self.buffers) for i, p in enumerate(buffer.params)}
-        return [slots[id(p)] for p in self._last_observed]
-
     def _name(self, param: torch.Tensor) -> str:
         return self._names.get(id(param)) or f"parameter {tuple(param.shape)} {param.dtype}"
+
+
+class OwnedBucketScheduler(BucketLauncher):
+    """Buckets whose owner keeps their parameters' values (ZeRO): gradients are
+    added times `scale` into the buckets and `.grad` is dropped; parameters
+    without a gradient count as zero; `on_launch(bucket)` runs right after each
+    bucket's collective started."""
+
+    def __init__(self, buckets: Sequence[GradBucket], collectives: Collectives, *, mode: str, scale: float,
+                 timeout_s: float, on_launch: Callable[[GradBucket], None] | None = None) -> None:
+        super().__init__(list(buckets), collectives, mode=mode, overlap=True, bind_grads=False, scale=scale,
+                         find_unused_parameters=True, timeout_s=timeout_s, on_launch=on_launch)

@@ -13,7 +13,7 @@ from torch import nn
 
 from ringcomm.buffer import GradBucket
 from ringcomm.layout import plan_buckets
-from ringcomm.overlap import BucketScheduler
+from ringcomm.overlap import OwnedBucketScheduler
 from ringcomm.work import Work
 
 
@@ -59,7 +59,7 @@ class FailingBackward(torch.autograd.Function):
         raise Injected("backward")
 
 
-def setup(mode: str) -> tuple[nn.Module, BucketScheduler, TwinRanks]:
+def setup(mode: str) -> tuple[nn.Module, OwnedBucketScheduler, TwinRanks]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 11), nn.Tanh(), nn.Linear(11, 3))
     params = list(model.parameters())
@@ -69,7 +69,7 @@ def setup(mode: str) -> tuple[nn.Module, BucketScheduler, TwinRanks]:
                           persistent=None if sharded else torch.zeros(span.numel))
                for k, span in enumerate(layout.buckets)]
     comm = TwinRanks()
-    scheduler = BucketScheduler.for_buckets(buckets, comm, mode=mode, scale=0.5, timeout_s=10.0)
+    scheduler = OwnedBucketScheduler(buckets, comm, mode=mode, scale=0.5, timeout_s=10.0)
     scheduler.register_hooks(params)
     assert len(buckets) >= 3, f"{mode}: {len(buckets)} buckets"
     return model, scheduler, comm
@@ -83,7 +83,7 @@ def loss_of(model: nn.Module, step: int, failing: bool = False) -> torch.Tensor:
     return model[4](model[3](model[2](h))).square().sum()
 
 
-def expected_grads(step: int, scheduler: BucketScheduler) -> list[torch.Tensor]:
+def expected_grads(step: int, scheduler: OwnedBucketScheduler) -> list[torch.Tensor]:
     """Plain autograd on a copy: each bucket's reduced gradient (its chunk of rank 0 when sharded)."""
     model, _, _ = setup("all_reduce")
     grads = torch.autograd.grad(loss_of(model, step), list(model.parameters()))
@@ -96,7 +96,7 @@ def expected_grads(step: int, scheduler: BucketScheduler) -> list[torch.Tensor]:
     return out
 
 
-def reduced(scheduler: BucketScheduler) -> list[torch.Tensor]:
+def reduced(scheduler: OwnedBucketScheduler) -> list[torch.Tensor]:
     return [b.accumulator if b.accumulator is not None else b.grad for b in scheduler.buckets]
 
 

@@ -10,7 +10,7 @@ and the engine call: unshard / reshard (stage 3), reduce_grads, step.
     policy.shard_grads      reduce every micro-step from a transient bucket into
                             a chunk-sized accumulator (else accumulate whole
                             gradients locally and reduce at the boundary);
-                            ringcomm.overlap.BucketScheduler runs the gradient side.
+                            ringcomm.overlap.OwnedBucketScheduler runs the gradient side.
     policy.shard_params     buckets are not resident: only the chunk is kept and
                             gather.py unshards a bucket around its module's use.
 """
@@ -23,7 +23,7 @@ from torch import nn
 
 from ringcomm.buffer import GradBucket
 from ringcomm.layout import BufferLayout
-from ringcomm.overlap import BucketScheduler
+from ringcomm.overlap import OwnedBucketScheduler
 from ringcomm.schedule import Span
 
 from . import host_step
@@ -143,7 +143,7 @@ class ParamGroup:
             bucket.grads = GradBucket(bucket.layout, bucket.span.index, bucket.params, comm.rank,
                                       persistent=persistent, sharded=policy.shard_grads)
         mode = "reduce_scatter" if policy.shard_optimizer else "all_reduce"
-        self.scheduler = BucketScheduler.for_buckets(
+        self.scheduler = OwnedBucketScheduler(
             [b.grads for b in buckets], comm, mode=mode, scale=1.0 / comm.world_size, timeout_s=timeout_s,
             on_launch=self._after_launch if policy.shard_params else None)
 
