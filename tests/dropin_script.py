@@ -78,17 +78,23 @@ def train(stage, dtype, num_steps):
     engine, optimizer, _, scheduler = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                            config=config(stage, dtype))
     rank = deepspeed.comm.get_rank()
+    out = train_steps(engine, range(num_steps), ACCUMULATION, rank)
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        out["params"] = [p.detach().float().sum().item() for p in engine.module.parameters()]
+    return out
+
+
+def train_steps(engine, steps, accumulation, rank):
+    """Losses, lrs and grad norms of the optimizer steps `steps`, `accumulation` micro-steps each."""
     out = {"loss": [], "lr": [], "grad_norm": []}
-    for step in range(num_steps):
-        for micro in range(ACCUMULATION):
+    for step in steps:
+        for micro in range(accumulation):
             loss = engine(*batch(step, micro, rank))
             engine.backward(loss)
             engine.step()
         out["loss"].append(loss.item())
         out["lr"].append(engine.get_lr()[0])
         out["grad_norm"].append(float(engine.get_global_grad_norm()))
-    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
-        out["params"] = [p.detach().float().sum().item() for p in engine.module.parameters()]
     return out
 
 
@@ -111,15 +117,8 @@ def resume(stage, dtype, num_steps, more_steps):
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=settings)
         if accumulation != ACCUMULATION:
             engine.load_checkpoint(root)
-        out = {"loss": [], "lr": [], "grad_norm": [], "global_steps": engine.global_steps}
-        for step in steps:
-            for micro in range(accumulation):
-                loss = engine(*batch(step, micro, rank))
-                engine.backward(loss)
-                engine.step()
-            out["loss"].append(loss.item())
-            out["lr"].append(engine.get_lr()[0])
-            out["grad_norm"].append(float(engine.get_global_grad_norm()))
+        start = engine.global_steps  # where the run (or the resume) begins
+        out = dict(train_steps(engine, steps, accumulation, rank), global_steps=start)
         if accumulation == ACCUMULATION:
             engine.save_checkpoint(root)
     deepspeed.comm.barrier()
