@@ -369,7 +369,6 @@ def parse(config: str | os.PathLike | dict, facts: ModelFacts) -> EngineConfig:
     """The engine's view of a DeepSpeed config."""
     raw = load(config)
     _warn_unknown(raw, TOP_KEYS, "")
-    warn_no_effect(raw)
     for key in ("fp16", "bf16", "zero_optimization"):
         if not isinstance(raw.get(key, {}), dict):
             raise ValueError(f"zero config: {key} must be an object, got {raw[key]!r}")
@@ -379,7 +378,7 @@ def parse(config: str | os.PathLike | dict, facts: ModelFacts) -> EngineConfig:
     backend = raw.get("comm_backend")
     if backend not in (None, "ringcomm", "torch"):
         raise ValueError(f"zero config: comm_backend must be 'ringcomm' or 'torch', got {backend!r}")
-    return EngineConfig(
+    parsed = EngineConfig(
         train_batch_size=train, micro_batch_size=micro, gradient_accumulation_steps=accum,
         gradient_clipping=_float(_get(raw, "gradient_clipping", 0.0, facts.arguments.get("gradient_clipping", 1.0)),
                                  "gradient_clipping"),
@@ -388,3 +387,5 @@ def parse(config: str | os.PathLike | dict, facts: ModelFacts) -> EngineConfig:
         allow_untested_optimizer=_bool(raw.get("zero_allow_untested_optimizer", False),
                                        "zero_allow_untested_optimizer"),
         activation_checkpointing=checkpointing, comm_backend=backend, aio=_aio(raw.get("aio")))
+    warn_no_effect(raw)  # once every value is validated
+    return parsed
