@@ -255,3 +255,32 @@ def test_failure_diagnosis_is_bounded_when_the_store_hangs():
     limit = torch_dist.EXPLAIN_WAIT_S + torch_dist.EXPLAIN_STORE_S
     assert elapsed < limit + 0.5, f"the diagnosis took {elapsed:.1f} s (bound {limit} s)"
     assert "store did not answer" in note, note
+
+
+def abort_during_close(rank, world_size, transport):
+    """A close waiting for a stuck call does not hold up an abort from a third
+    thread: the call fails at once, and close and abort both return."""
+    group = ringcomm.new_group(transport=transport, timeout=30)
+    dist.barrier()
+    if rank == 1:
+        time.sleep(3.0)  # rank 0's call waits for this rank meanwhile
+        with pytest.raises(RuntimeError, match=DOCUMENTED):
+            _call("all_reduce", group)
+        group.close()
+        return
+    closer = threading.Timer(0.1, group.close)
+    aborter = threading.Timer(0.3, group.abort)
+    closer.start()
+    aborter.start()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="aborted"):
+        _call("all_reduce", group)
+    elapsed = time.monotonic() - start
+    closer.join(5)
+    aborter.join(5)
+    assert not closer.is_alive() and not aborter.is_alive(), f"{transport}: close or abort still waits"
+    assert elapsed < 1.5, f"{transport}: the call ended {elapsed:.2f} s after start (abort at 0.3 s)"
+
+
+def test_abort_is_not_held_up_by_a_waiting_close():
+    run_ranks(abort_during_close, 2, "shm")

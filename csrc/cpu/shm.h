@@ -226,6 +226,7 @@ class ShmComm {
   std::atomic<int64_t> caller_{0};   // see OpScope
   std::atomic<int32_t> state_{0};    // CommState
   std::mutex lifecycle_mutex_;       // one close or abort at a time
+  std::atomic<bool> abort_requested_{false};  // set by abort() before it waits for lifecycle_mutex_
   std::string broken_;
 };
 

@@ -52,6 +52,11 @@ bool ShmComm::close(double timeout_s) {
 }
 
 void ShmComm::abort() {
+  // First, without the lock (a close() may hold it while it waits for the call
+  // in flight): that call fails at its next wait (within one 10 ms futex sleep;
+  // the wake-up needs the mapping, which only the lock protects), and the close
+  // then ends too.
+  abort_requested_.store(true, std::memory_order_seq_cst);
   const std::lock_guard<std::mutex> lock(lifecycle_mutex_);
   leave(CommState::kAborted);
   if (wait_idle(Clock::now() + kAbortGrace)) unmap();
@@ -87,7 +92,9 @@ bool ShmComm::leave(CommState how) {
 }
 
 void ShmComm::check_aborted(const StepInfo& step, uint64_t round) {
-  if (state_.load(std::memory_order_acquire) != static_cast<int32_t>(CommState::kAborted)) return;
+  if (state_.load(std::memory_order_acquire) != static_cast<int32_t>(CommState::kAborted) &&
+      !abort_requested_.load(std::memory_order_acquire))
+    return;
   fail(std::string(step.op) + ": rank " + std::to_string(rank_) + " at step " + std::to_string(step.step) + "/" +
        std::to_string(step.num_steps) + " (round " + std::to_string(round) +
        "): aborted (the group was aborted, or closed past its timeout, from another thread)");
