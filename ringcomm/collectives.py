@@ -97,7 +97,8 @@ def all_reduce(tensor: torch.Tensor, op: object = ReduceOp.SUM, group: Group | N
             raise ValueError(f"all_reduce: output.numel()={output.numel()} != tensor.numel()={tensor.numel()} "
                              f"on rank {group.rank}")
         tensor = aliasing.all_reduce_input(tensor, output)
-    return group.run("all_reduce", lambda: group.transport.all_reduce(output=output, input=tensor, op=redop), async_op)
+    return group.run("all_reduce", lambda: group.transport.all_reduce(output=output, input=tensor, op=redop),
+                     async_op)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: object = ReduceOp.SUM, group: Group | None = None,
@@ -116,7 +117,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: object = Reduc
         raise ValueError(f"reduce_scatter: input.numel()={input.numel()} != world_size ({group.world_size}) * "
                          f"output.numel()={output.numel()} on rank {group.rank}")
     input = aliasing.reduce_scatter_input(output, input, group.rank)
-    return group.run("reduce_scatter", lambda: group.transport.reduce_scatter(output=output, input=input, op=redop), async_op)
+    return group.run("reduce_scatter", lambda: group.transport.reduce_scatter(output=output, input=input, op=redop),
+                     async_op)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group | None = None,

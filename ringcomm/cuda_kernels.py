@@ -15,7 +15,6 @@ import torch
 from .ops import LOW_PRECISION, ReduceOp, dtype_code, to_reduce_op
 
 
-
 def _source() -> Path:
     """reduce.cu: package data in an installed ringcomm (setup.py copies csrc/cuda
     there), else csrc/cuda of the source tree (an editable install)."""

@@ -8,10 +8,9 @@ from collections.abc import Sequence
 import torch
 
 from .buffer import FlatBuffer, GradBucket
-from .collectives import broadcast
+from .collectives import all_reduce, broadcast, reduce_scatter
 from .group import Group, resolve_group
 from .ops import ReduceOp, to_reduce_op
-from .collectives import all_reduce, reduce_scatter
 from .overlap import BucketLauncher
 from .work import Work
 
@@ -29,7 +28,8 @@ class GroupCollectives:
         return all_reduce(tensor, self.op, self.group, async_op) or Work.completed("all_reduce", self.rank)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Work:
-        return reduce_scatter(output, input, self.op, self.group, async_op) or Work.completed("reduce_scatter", self.rank)
+        return (reduce_scatter(output, input, self.op, self.group, async_op)
+                or Work.completed("reduce_scatter", self.rank))
 
 
 class BucketScheduler(BucketLauncher):

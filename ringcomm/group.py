@@ -310,8 +310,9 @@ def _check_members(store: dist.Store, rank: int, members: tuple[int, ...], timeo
 # belongs to the torch.distributed world it was made for. It is closed when that
 # world's process group goes away (a weakref finalizer: destroy_process_group
 # drops torch's references to it), and it is never returned for another world,
-# even one whose object reuses the address (the key).
-_default_groups: dict[int, tuple[weakref.ref, Group]] = {}
+# even one whose object reuses the address (the key). A group closed by hand
+# detaches its finalizer, so a long-lived world holds no closed groups.
+_default_groups: dict[int, tuple[weakref.ref, Group, weakref.finalize]] = {}
 
 
 def default_group() -> Group:
@@ -324,19 +325,20 @@ def default_group() -> Group:
     key = id(world)
     entry = _default_groups.get(key)
     if entry is not None:
-        made_for, group = entry
+        made_for, group, _ = entry
         if made_for() is world and group.state is GroupState.OPEN:
             return group
         _close_default(key, group)  # made for a destroyed world, or closed by hand
     group = new_group(timeout=float(os.environ.get("RINGCOMM_TIMEOUT", DEFAULT_TIMEOUT_S)))
-    _default_groups[key] = (weakref.ref(world), group)
-    weakref.finalize(world, _close_default, key, group)
+    _default_groups[key] = (weakref.ref(world), group, weakref.finalize(world, _close_default, key, group))
     return group
 
 
 def _close_default(key: int, group: Group) -> None:
-    if _default_groups.get(key, (None, None))[1] is group:
+    entry = _default_groups.get(key)
+    if entry is not None and entry[1] is group:
         del _default_groups[key]
+        entry[2].detach()
     group.close()
 
 
@@ -355,5 +357,5 @@ def resolve_group(group: object, op: str) -> Group:
 def destroy_default_group() -> None:
     """Closes the default group now (see [Note: default groups]: destroying torch's
     world closes it too); the next call with group=None makes a new one."""
-    for key, (_, group) in list(_default_groups.items()):
+    for key, (_, group, _) in list(_default_groups.items()):
         _close_default(key, group)

@@ -12,6 +12,7 @@ import torch
 
 from .work import Work
 
+
 class Collectives(Protocol):
     """The two collectives the scheduler launches (a ringcomm group, or zero's
     comm seam over torch.distributed). Handles have wait() and get_future()."""

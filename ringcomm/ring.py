@@ -64,7 +64,8 @@ def _finish_sends(transfers: list[tuple[schedule.Span | None, Transfer]]) -> Non
 
 
 def reduce_scatter(link: Link, *, output: torch.Tensor, input: torch.Tensor, chunks: tuple[schedule.Span, ...],
-                   op: ReduceOp, segment_numel: int, name: str = "reduce_scatter", scratch: Scratch | None = None) -> None:
+                   op: ReduceOp, segment_numel: int, name: str = "reduce_scatter",
+                   scratch: Scratch | None = None) -> None:
     """`output` becomes chunk `rank` of `input` reduced over all ranks; `input` is
     left as it is. Partial sums travel in two ping-pong buffers of one chunk; for
     16-bit inputs they are float32, so the result is rounded once. `scratch`

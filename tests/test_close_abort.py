@@ -4,10 +4,12 @@ own, so a SIGSEGV fails the test), no hang, the documented error ([Note: group
 lifetime] in ringcomm/group.py), and default groups that follow torch's world."""
 from __future__ import annotations
 
+import gc
 import os
 import re
 import threading
 import time
+import weakref
 from datetime import timedelta
 
 import pytest
@@ -149,6 +151,11 @@ CYCLES = 50
 def default_group_cycles(rank, world_size, folder):
     """init / use the default group / destroy, CYCLES times: nothing accumulates,
     and each world gets a group of its own."""
+    # Closed by hand while the world lives on: nothing keeps the closed group (its finalizer is detached).
+    closed = weakref.ref(ringcomm.default_group())
+    ringcomm.destroy_default_group()
+    gc.collect()
+    assert closed() is None, f"rank {rank}: a default group closed by hand is still referenced"
     dist.destroy_process_group()  # the harness's world; each cycle makes its own
 
     def cycle(index: int) -> ringcomm.Group:

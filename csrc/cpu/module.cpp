@@ -139,10 +139,6 @@ PYBIND11_MODULE(_C, m) {
       .def("close", &ShmComm::close, "refuse new calls, wait up to timeout_s for the one in flight (then abort it); "
            "whether it ended by itself", py::arg("timeout_s"), no_gil)
       .def("abort", &ShmComm::abort, "the call in flight fails at once; later calls are refused", no_gil)
-      .def_property_readonly("state", [](const ShmComm& comm) {
-        static const char* const names[] = {"open", "closing", "closed", "aborted"};
-        return std::string(names[static_cast<int>(comm.state())]);
-      })
       .def("register_window", &ShmComm::register_window, py::arg("id"), py::arg("bases"), py::arg("nbytes"), no_gil)
       .def("unregister_window", &ShmComm::unregister_window, "waits for the op in flight if it may read windows",
            py::arg("id"), no_gil)

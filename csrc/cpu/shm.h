@@ -119,7 +119,7 @@ class ShmComm {
   // [Note: close and abort] in shm_lifecycle.cpp. close() refuses new calls,
   // waits up to timeout_s for the call in flight, aborts it past that, and
   // returns whether it ended by itself; abort() makes it fail at once. Both are
-  // safe from any thread; the memory stays mapped until the comm is destroyed.
+  // safe from any thread, and unmap the segment once no call is in flight.
   bool close(double timeout_s);
   void abort();
   CommState state() const { return static_cast<CommState>(state_.load(std::memory_order_acquire)); }

@@ -46,7 +46,8 @@ bool ShmComm::close(double timeout_s) {
   state_.compare_exchange_strong(expected, static_cast<int32_t>(CommState::kClosing), std::memory_order_seq_cst);
   const auto timeout = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
   const bool drained = wait_idle(Clock::now() + timeout);
-  const bool closed = leave(drained ? CommState::kClosed : CommState::kAborted);
+  const bool aborted = !drained || abort_requested_.load(std::memory_order_seq_cst);  // an abort() ended the call
+  const bool closed = leave(aborted ? CommState::kAborted : CommState::kClosed);
   if (drained || wait_idle(Clock::now() + kAbortGrace)) unmap();
   return closed;
 }

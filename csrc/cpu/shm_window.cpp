@@ -162,7 +162,8 @@ void ShmComm::wait_consumed(const StepInfo& step) {
     if (peer != rank_)
       seen_consumed_[peer] = wait_for(peer, FlagKind::kConsumed, seq_, step, "finish reading this rank's buffer");
   for (int peer = 0; peer < world_size_; ++peer)
-    if (peer != rank_) check_peer_left(peer, std::string(step.op) + ": rank " + std::to_string(rank_) + " at the end", true);
+    if (peer != rank_)
+      check_peer_left(peer, std::string(step.op) + ": rank " + std::to_string(rank_) + " at the end", true);
 }
 
 // Round 1: each rank reduces its chunk from every rank's input into its output.

@@ -35,10 +35,6 @@ class CallGate:
         self._release: Callable[[], None] | None = None
         self._released = False
 
-    @property
-    def state(self) -> State:
-        return self._state
-
     @contextlib.contextmanager
     def call(self, op: str) -> Iterator[None]:
         with self._cond:

@@ -136,16 +136,16 @@ class ShmTransport:
         return tensor.is_cpu
 
     def all_reduce(self, *, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> None:
-        _C.all_reduce_lean(self.handle, output.data_ptr(), input.data_ptr(), input.numel(), DTYPE_CODES_BY_ID[id(input.dtype)],
-                           op, self.timeout_s)
+        _C.all_reduce_lean(self.handle, output.data_ptr(), input.data_ptr(), input.numel(),
+                           DTYPE_CODES_BY_ID[id(input.dtype)], op, self.timeout_s)
 
     def reduce_scatter(self, *, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> None:
         _C.reduce_scatter_lean(self.handle, output.data_ptr(), input.data_ptr(), output.numel(),
                                DTYPE_CODES_BY_ID[id(input.dtype)], op, self.timeout_s)
 
     def all_gather(self, *, output: torch.Tensor, input: torch.Tensor) -> None:
-        _C.all_gather_lean(self.handle, output.data_ptr(), input.data_ptr(), input.numel(), DTYPE_CODES_BY_ID[id(input.dtype)],
-                           self.timeout_s)
+        _C.all_gather_lean(self.handle, output.data_ptr(), input.data_ptr(), input.numel(),
+                           DTYPE_CODES_BY_ID[id(input.dtype)], self.timeout_s)
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
         code = DTYPE_CODES_BY_ID[id(tensor.dtype)]

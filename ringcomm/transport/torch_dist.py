@@ -104,7 +104,8 @@ class _Diagnosis:
         thread.start()
         thread.join(EXPLAIN_WAIT_S + EXPLAIN_STORE_S)
         if not notes:
-            return f"; (the store did not answer within {EXPLAIN_WAIT_S + EXPLAIN_STORE_S} s: its host may be unreachable)"
+            return (f"; (the store did not answer within {EXPLAIN_WAIT_S + EXPLAIN_STORE_S} s: its host may be "
+                    f"unreachable)")
         return "; " + "; ".join(notes[0]) if notes[0] else ""
 
     def _poll_notes(self, message: str) -> list[str]:
