@@ -92,7 +92,8 @@ def plant_payload(directory: str, marker: str) -> None:
 
 
 def deepspeed_layout(directory: str) -> None:
-    """The files DeepSpeed writes for a 2-rank stage 2 checkpoint (their names; zero never opens them)."""
+    """The files DeepSpeed writes for a 2-rank stage 2 checkpoint, by name, empty (real ones:
+    tests/test_zero_deepspeed_interop.py)."""
     for name in os.listdir(directory):
         os.remove(os.path.join(directory, name))
     for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
@@ -109,7 +110,7 @@ CASES = {
     "empty": (lambda d: truncate(os.path.join(d, SHARD0), 0), [SHARD0, "0 bytes"]),
     "engine_state_byte": (lambda d: flip(os.path.join(d, ENGINE_STATE), 100), [ENGINE_STATE, "crc32"]),
     "manifest_missing": (lambda d: os.remove(os.path.join(d, MANIFEST)), [MANIFEST, "missing"]),
-    "deepspeed": (deepspeed_layout, ["is a DeepSpeed checkpoint", "mp_rank_00_model_states.pt"]),
+    "deepspeed": (deepspeed_layout, ["mp_rank_00_model_states.pt", "unreadable"]),
     "payload": (None, [ENGINE_STATE, "refused", "mkdir"]),  # made in the worker: the marker's path
 }
 FOREIGN = {"other_model": ["engine_state.pt", "missing parameters", "blocks.0.fc1.weight"],

@@ -22,6 +22,7 @@ removes the .partial directories that killed saves left behind.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import logging
@@ -97,7 +98,24 @@ def engine_state(engine, client_state: dict | None) -> dict:
         "counters": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
                      "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps},
         "client_state": client_state or {},
+        "deepspeed": deepspeed_facts(engine),
     }
+
+
+def deepspeed_facts(engine) -> dict:
+    """What DeepSpeed's layout needs beyond zero's own (to_deepspeed.py): the
+    persistent buffers' names, the clipping, the stage-3 sub-group size and
+    the fp16 scaler's options (DeepSpeed's files hold the scaler whole)."""
+    config = engine.config
+    return {"buffers": buffer_names(engine.module), "clip_grad": float(config.gradient_clipping),
+            "sub_group_size": int(config.zero.sub_group_size), "scaler_options": dataclasses.asdict(config.scaler)}
+
+
+def buffer_names(module: torch.nn.Module) -> list[str]:
+    """The module's persistent buffers, by state_dict key."""
+    return [f"{prefix}{'.' if prefix else ''}{name}" for prefix, sub in module.named_modules()
+            for name, buf in sub.named_buffers(recurse=False)
+            if buf is not None and name not in sub._non_persistent_buffers_set]
 
 
 def batch_layout(engine) -> dict[str, int]:

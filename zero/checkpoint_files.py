@@ -33,7 +33,6 @@ FORMAT = "zero-named-shards/2"
 ENGINE_STATE = "engine_state.pt"
 MODEL_STATES = "model_states.pt"
 MANIFEST = "manifest.json"
-DEEPSPEED_SUFFIXES = ("_model_states.pt", "_optim_states.pt")  # mp_rank_00_model_states.pt, zero_pp_rank_*
 ENGINE_STATE_KEYS = frozenset({"format", "world_size", "stage", "dtype", "layout", "params", "state_dict",
                                "param_groups", "scaler", "scheduler", "counters", "client_state"})
 
@@ -92,11 +91,6 @@ def manifest_entry(path: str, *, crc: bool = False, header_crc: int | None = Non
 
 def read_manifest(directory: str) -> dict:
     path = os.path.join(directory, MANIFEST)
-    deepspeed = sorted(f for f in os.listdir(directory) if f.endswith(DEEPSPEED_SUFFIXES))
-    if not os.path.isfile(path) and deepspeed:
-        raise ValueError(f"{directory} is a DeepSpeed checkpoint ({deepspeed[:3]}): zero does not resume "
-                         f"DeepSpeed's layout; its weights move with DeepSpeed's zero_to_fp32.py (docs/zero.md, "
-                         f"'Moving between DeepSpeed and zero')")
     if not os.path.isfile(path):
         raise ValueError(f"{path} is missing: {directory} is not a complete {FORMAT} checkpoint (an older "
                          f"zero's checkpoint, or not one of zero's)")
@@ -222,6 +216,22 @@ class SavedShards:
             raise ValueError(f"load_checkpoint: the saved shards cover {covered} of elements [{begin}, "
                              f"{begin + out.numel()}) of {name}")
         return kinds
+
+    def state(self, name: str, offset: int, numel: int, kind: str) -> torch.Tensor:
+        """One optimizer state of elements [offset, offset + numel) of `name`:
+        an elementwise state read over the saved ranges; a scalar (Adam's step,
+        equal on all) from the first."""
+        reader, first, _, _ = next(self.overlaps(name, offset, offset + numel))
+        tensor = self.tensor(reader, first, kind)
+        spec = reader.specs[tensor]
+        if spec.shape == (first.numel,):
+            out = torch.empty(numel, dtype=spec.dtype)
+            self.read(name, kind, out, offset)
+            return out
+        if spec.numel != 1:
+            raise ValueError(f"{reader.path}: {tensor} has shape {spec.shape}: neither elementwise ({first.numel},) "
+                             f"nor a scalar")
+        return reader.read(tensor, torch.empty(spec.shape, dtype=spec.dtype))
 
     def close(self) -> None:
         for reader in self.readers:

@@ -34,6 +34,8 @@ config made, and says so.
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,8 +43,9 @@ import torch
 from . import checkpoint
 from .barrier import store_agree
 from .checkpoint import master_slices, param_shapes
-from .checkpoint_files import (MODEL_STATES, NamedShard, SavedShards, check_file, load_plain, read_engine_state,
-                               read_manifest, resolve)
+from .checkpoint_files import (ENGINE_STATE, MANIFEST, MODEL_STATES, SavedShards, check_file, load_plain,
+                               read_engine_state, read_manifest, resolve)
+from .deepspeed_checkpoint import DeepSpeedShards, is_deepspeed
 
 log = logging.getLogger("zero")
 
@@ -96,22 +99,33 @@ def load(engine, load_dir: str, tag: str | None = None, *, load_module_strict: b
 
 # ---- stage: read and check, change nothing ---------------------------------------------------------
 def stage(engine, load_dir: str, tag: str | None, options: LoadOptions) -> Staged:
+    """zero's own checkpoint, or DeepSpeed's (deepspeed_checkpoint.py), read and checked."""
     directory = resolve(load_dir, tag)
-    manifest = read_manifest(directory)
-    state = read_engine_state(directory, manifest)
-    check_engine(engine, directory, state, options)
-    saved = SavedShards(directory, state["world_size"], manifest)
+    if not os.path.isfile(os.path.join(directory, MANIFEST)) and is_deepspeed(directory):
+        saved = DeepSpeedShards(directory)
+        state, where = saved.engine_state(), saved.model_path
+
+        def module_states() -> tuple[str, dict]:
+            return saved.model_path, saved.extras()
+    else:
+        manifest = read_manifest(directory)
+        state = read_engine_state(directory, manifest)
+        saved, where = SavedShards(directory, state["world_size"], manifest), f"{directory}/{ENGINE_STATE}"
+
+        def module_states() -> tuple[str, dict]:
+            path = check_file(directory, manifest, MODEL_STATES, crc=True)
+            return path, load_plain(path, mmap=True)
     try:
+        check_engine(engine, where, directory, state, options)
         masters, optimizer = stage_shards(engine, saved, options)
+        extras = stage_extras(engine, module_states, strict=options.strict)
     finally:
         saved.close()
-    extras = stage_extras(engine, directory, manifest, strict=options.strict)
     return Staged(directory, state, masters, optimizer, extras, scaler=restores_scaler(engine, state, options))
 
 
-def check_engine(engine, directory: str, state: dict, options: LoadOptions) -> None:
+def check_engine(engine, where: str, directory: str, state: dict, options: LoadOptions) -> None:
     """Parameter names and shapes, optimizer groups, scheduler kind, batch layout."""
-    where = f"{directory}/engine_state.pt"
     if options.optimizer_states and len(state["param_groups"]) != len(engine.optimizer.param_groups):
         raise ValueError(f"{where}: {len(state['param_groups'])} optimizer param groups, this engine "
                          f"{len(engine.optimizer.param_groups)}")
@@ -158,36 +172,20 @@ def stage_shards(engine, saved: SavedShards, options: LoadOptions) -> tuple[dict
         kinds = saved.read(shard.name, "master", out, shard.offset)
         masters[shard.key] = out
         if options.optimizer_states and shard.group is not None:
-            optimizer[shard.key] = {kind: saved_state(saved, shard, kind) for kind in sorted(kinds - {"master"})}
+            optimizer[shard.key] = {kind: saved.state(shard.name, shard.offset, shard.numel, kind)
+                                    for kind in sorted(kinds - {"master"})}
     return masters, optimizer
 
 
-def saved_state(saved: SavedShards, shard: NamedShard, kind: str) -> torch.Tensor:
-    """One optimizer state of `shard`: an elementwise state is read over the
-    saved ranges; a scalar (Adam's step, equal on all) from the first."""
-    reader, first, _, _ = next(saved.overlaps(shard.name, shard.offset, shard.offset + shard.numel))
-    name = saved.tensor(reader, first, kind)
-    spec = reader.specs[name]
-    if spec.shape == (first.numel,):
-        out = torch.empty(shard.numel, dtype=spec.dtype)
-        saved.read(shard.name, kind, out, shard.offset)
-        return out
-    if spec.numel != 1:
-        raise ValueError(f"{reader.path}: {name} has shape {spec.shape}: neither elementwise ({first.numel},) "
-                         f"nor a scalar")
-    return reader.read(name, torch.empty(spec.shape, dtype=spec.dtype))
-
-
-def stage_extras(engine, directory: str, manifest: dict, *, strict: bool) -> dict[str, torch.Tensor]:
-    """Buffers and frozen parameters (not in any bucket) from model_states.pt, checked."""
+def stage_extras(engine, module_states: Callable[[], tuple[str, dict]], *, strict: bool) -> dict[str, torch.Tensor]:
+    """Buffers and frozen parameters (not in any bucket) from the saved module states, checked."""
     trainable = set(engine.parts.param_names)
     trainable_ids = {id(p) for p in engine.parts.trainable}
     tied = {name for name, p in engine.module.named_parameters(remove_duplicate=False) if id(p) in trainable_ids}
     extras = {k: v for k, v in engine.module.state_dict().items() if k not in trainable and k not in tied}
     if not extras:
         return {}
-    path = check_file(directory, manifest, MODEL_STATES, crc=True)
-    saved = load_plain(path, mmap=True)
+    path, saved = module_states()
     if not isinstance(saved, dict):
         raise ValueError(f"{path}: a {type(saved).__name__}, not a state_dict")
     missing = [k for k in extras if k not in saved]
