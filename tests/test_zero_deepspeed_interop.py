@@ -35,14 +35,20 @@ from test_zero_dropin import load_script
 import zero_reference  # noqa: F401  (puts the repo root on sys.path)
 from zero import checkpoint
 
-STAGES, SAVED, MORE, RTOL = (1, 2, 3), 3, 3, 1e-5
+STAGES, SAVED, MORE = (1, 2, 3), 3, 3
+# fp32: both engines sum the same gradients in other orders: 1e-5 relative. bf16: their gradients
+# differ by bf16 ulps (tests/test_zero_dropin.py's tolerances, measured there): 2e-3 and 1e-3 relative.
+# fp16 (more mantissa than bf16) gets bf16's bounds; its dynamic loss scale must move with the checkpoint.
+RTOL = {"fp32": {"loss": 1e-5, "grad_norm": 1e-5}, "bf16": {"loss": 2e-3, "grad_norm": 1e-3},
+        "fp16": {"loss": 2e-3, "grad_norm": 1e-3, "loss_scale": 0}}
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                 reason="deepspeed not installed (test extra)")
 
 
 def train(script, engine, rank: int, world_size: int, steps: range) -> dict[str, list[float]]:
-    out = {"loss": [], "grad_norm": []}
+    out = {"loss": [], "grad_norm": [], "loss_scale": []}
     for step in steps:
+        out["loss_scale"].append(loss_scale(engine))
         total = torch.zeros(1)
         for micro in range(script.ACCUMULATION):
             loss = engine(*script.batch(step, micro, rank))
@@ -55,12 +61,32 @@ def train(script, engine, rank: int, world_size: int, steps: range) -> dict[str,
     return out
 
 
-def new_engine(script, stage: int):
+def loss_scale(engine) -> float:
+    """The current loss scale: DeepSpeed's ZeRO optimizer's (its engine's loss_scale() is the config's), zero's."""
+    scale = getattr(engine.optimizer, "loss_scale", None)
+    return float(engine.loss_scale if scale is None else scale)
+
+
+def new_engine(script, stage: int, dtype: str = "fp32", offload: bool = False, scale_power: int = 8):
     torch.manual_seed(0)
     model = script.GPT()
-    engine, *_ = script.deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                             config=script.config(stage, "fp32"))
+    config = script.config(stage, "fp32" if dtype == "fp16" else dtype)
+    if dtype == "fp16":  # dynamic loss scaling (no overflow in these runs)
+        config["fp16"] = {"enabled": True, "initial_scale_power": scale_power}
+    if offload:
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    engine, *_ = script.deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
+
+
+def kinds(world_size: int) -> list[tuple[int, str]]:
+    """(stage, dtype) of each checkpoint saved on `world_size` ranks."""
+    dtypes = ("fp32", "bf16", "fp16") if world_size == 2 else ("fp32",)
+    return [(stage, dtype) for dtype in dtypes for stage in STAGES]
+
+
+def path(root: str, stage: int, dtype: str) -> str:
+    return os.path.join(root, f"s{stage}_{dtype}")
 
 
 def start(rank: int, world_size: int, engine: str):
@@ -74,24 +100,29 @@ def start(rank: int, world_size: int, engine: str):
 def save_worker(rank: int, world_size: int, engine_name: str, root: str) -> dict:
     """SAVED steps, save (root/NAME/sS), MORE steps: the continued run's losses."""
     script, out = start(rank, world_size, engine_name), {}
-    for stage in STAGES:
-        engine = new_engine(script, stage)
+    for stage, dtype in kinds(world_size):
+        engine = new_engine(script, stage, dtype)
         train(script, engine, rank, world_size, range(SAVED))
-        engine.save_checkpoint(os.path.join(root, engine_name, f"s{stage}"))
-        out[stage] = train(script, engine, rank, world_size, range(SAVED, SAVED + MORE))
+        engine.save_checkpoint(path(os.path.join(root, engine_name), stage, dtype))
+        out[stage, dtype] = train(script, engine, rank, world_size, range(SAVED, SAVED + MORE))
         if hasattr(engine, "destroy"):
             engine.destroy()
     return out
 
 
-def resume_worker(rank: int, world_size: int, engine_name: str, directory: str) -> dict:
-    """Resumes root/.../sS on `engine_name` and trains MORE steps."""
+def resume_worker(rank: int, world_size: int, engine_name: str, directory: str, saved_on: int) -> dict:
+    """Resumes each checkpoint saved on `saved_on` ranks on `engine_name` and
+    trains MORE steps; on zero also stage 3 with the optimizer offloaded."""
     script, out = start(rank, world_size, engine_name), {}
-    for stage in STAGES:
-        engine = new_engine(script, stage)
-        engine.load_checkpoint(os.path.join(directory, f"s{stage}"))
+    cases = [(stage, dtype, False) for stage, dtype in kinds(saved_on)]
+    if engine_name == "zero" and world_size == saved_on:
+        cases.append((3, "fp32", True))
+    for stage, dtype, offload in cases:
+        engine = new_engine(script, stage, dtype, offload, scale_power=12)  # the saved scale (2**8) must win
+        engine.load_checkpoint(path(directory, stage, dtype))
         assert engine.global_steps == SAVED, (engine_name, stage, engine.global_steps)
-        out[stage] = train(script, engine, rank, world_size, range(SAVED, SAVED + MORE))
+        out[(stage, dtype, "offload") if offload else (stage, dtype)] = train(script, engine, rank, world_size,
+                                                                              range(SAVED, SAVED + MORE))
         if hasattr(engine, "destroy"):
             engine.destroy()
     return out
@@ -136,7 +167,7 @@ def damage_worker(rank: int, world_size: int, root: str) -> None:
     script = start(rank, world_size, "zero")
     checkpoint.BARRIER_TIMEOUT_S = TIMEOUT_S
     for stage in (2, 3):
-        good = os.path.join(root, "deepspeed", f"s{stage}")
+        good = path(os.path.join(root, "deepspeed"), stage, "fp32")
         engine = new_engine(script, stage)
         train(script, engine, rank, world_size, range(1))
         for case, (damage, words) in DAMAGE.items():
@@ -184,9 +215,9 @@ def plain_torch(saved: int, world_size: int) -> dict[str, list[float]]:
     return {k: v[SAVED:] for k, v in out.items()}
 
 
-def assert_close(got: dict, want: dict, case: str) -> None:
-    for key in ("loss", "grad_norm"):
-        assert all(math.isclose(a, b, rel_tol=RTOL) for a, b in zip(got[key], want[key], strict=True)), \
+def assert_close(got: dict, want: dict, case: str, dtype: str = "fp32") -> None:
+    for key, tolerance in RTOL[dtype].items():
+        assert all(math.isclose(a, b, rel_tol=tolerance) for a, b in zip(got[key], want[key], strict=True)), \
             f"{case}: {key} {got[key]} != {want[key]}"
 
 
@@ -201,13 +232,14 @@ def interop(root: str, world_size: int) -> dict:
     env = {"DS_ACCELERATOR": "cpu"}
     out = {name: run_ranks(save_worker, world_size, name, root, timeout=300, env=env)[0]
            for name in ("zero", "deepspeed")}
-    for stage in STAGES:
-        to_deepspeed.convert(os.path.join(root, "zero", f"s{stage}"), os.path.join(root, "zero2ds", f"s{stage}"))
-    out["zero2ds"] = run_ranks(resume_worker, world_size, "deepspeed", os.path.join(root, "zero2ds"), timeout=300,
-                               env=env)[0]
+    for stage, dtype in kinds(world_size):
+        to_deepspeed.convert(path(os.path.join(root, "zero"), stage, dtype), path(os.path.join(root, "zero2ds"),
+                                                                                  stage, dtype))
+    out["zero2ds"] = run_ranks(resume_worker, world_size, "deepspeed", os.path.join(root, "zero2ds"), world_size,
+                               timeout=300, env=env)[0]
     for size in (world_size, *SIZES[world_size]):
-        out[f"ds2zero{size}"] = run_ranks(resume_worker, size, "zero", os.path.join(root, "deepspeed"), timeout=300,
-                                          env=env)[0]
+        out[f"ds2zero{size}"] = run_ranks(resume_worker, size, "zero", os.path.join(root, "deepspeed"), world_size,
+                                          timeout=300, env=env)[0]
     out["fp32"] = fp32_outputs(root)
     if world_size == 2:
         run_ranks(damage_worker, 2, root, timeout=300, env=env)
@@ -232,31 +264,31 @@ def fp32_outputs(root: str) -> dict:
 
     out = {}
     for stage in STAGES:
-        path = to_fp32.convert(os.path.join(root, "zero", f"s{stage}"), os.path.join(root, f"zero_fp32_{stage}.pt"))
-        converted = os.path.join(root, "zero2ds", f"s{stage}")
-        out[stage] = (torch.load(path), get_fp32_state_dict_from_zero_checkpoint(converted))
+        ours = to_fp32.convert(path(os.path.join(root, "zero"), stage, "fp32"), os.path.join(root, f"fp32_{stage}.pt"))
+        converted = path(os.path.join(root, "zero2ds"), stage, "fp32")
+        out[stage] = (torch.load(ours), get_fp32_state_dict_from_zero_checkpoint(converted))
     # the script itself, as a pipeline loads it from beside the checkpoint (its command line also wants
     # huggingface_hub, which DeepSpeed does not install)
-    spec = importlib.util.spec_from_file_location("zero_to_fp32_beside", os.path.join(root, "zero2ds", "s3",
-                                                                                        "zero_to_fp32.py"))
+    converted = path(os.path.join(root, "zero2ds"), 3, "fp32")
+    spec = importlib.util.spec_from_file_location("zero_to_fp32_beside", os.path.join(converted, "zero_to_fp32.py"))
     beside = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(beside)
-    out["script"] = beside.get_fp32_state_dict_from_zero_checkpoint(os.path.join(root, "zero2ds", "s3"))
+    out["script"] = beside.get_fp32_state_dict_from_zero_checkpoint(converted)
     return out
 
 
-CASES = [(size, stage) for size in SIZES for stage in STAGES]
+CASES = [(size, stage, dtype) for size in SIZES for stage, dtype in kinds(size)]
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("world_size, stage", CASES)
-def test_zero_checkpoint_continues_on_deepspeed(runs, world_size: int, stage: int) -> None:
+@pytest.mark.parametrize("world_size, stage, dtype", CASES)
+def test_zero_checkpoint_continues_on_deepspeed(runs, world_size: int, stage: int, dtype: str) -> None:
     run = runs[world_size]
-    assert_close(run["zero2ds"][stage], run["zero"][stage], f"{world_size} ranks, stage {stage}: DeepSpeed resuming "
-                 f"zero's")
+    assert_close(run["zero2ds"][stage, dtype], run["zero"][stage, dtype],
+                 f"{world_size} ranks, stage {stage} {dtype}: DeepSpeed resuming zero's", dtype)
 
 
-@pytest.mark.parametrize("world_size, stage", CASES)
+@pytest.mark.parametrize("world_size, stage", [(size, stage) for size in SIZES for stage in STAGES])
 def test_deepspeed_consolidates_zero_checkpoint(runs, world_size: int, stage: int) -> None:
     """The same names (DeepSpeed lists the tied name last, zero beside its first) and the same values."""
     ours, theirs = runs[world_size]["fp32"][stage]
@@ -268,11 +300,17 @@ def test_deepspeed_consolidates_zero_checkpoint(runs, world_size: int, stage: in
         assert all(torch.equal(value, script[key]) for key, value in ours.items()), "zero_to_fp32.py's output"
 
 
-@pytest.mark.parametrize("world_size, stage", CASES)
-def test_zero_resumes_deepspeed_checkpoint(runs, world_size: int, stage: int) -> None:
+@pytest.mark.parametrize("world_size, stage, dtype", CASES)
+def test_zero_resumes_deepspeed_checkpoint(runs, world_size: int, stage: int, dtype: str) -> None:
     run = runs[world_size]
-    assert_close(run[f"ds2zero{world_size}"][stage], run["deepspeed"][stage],
-                 f"{world_size} ranks, stage {stage}: zero resuming DeepSpeed's")
+    assert_close(run[f"ds2zero{world_size}"][stage, dtype], run["deepspeed"][stage, dtype],
+                 f"{world_size} ranks, stage {stage} {dtype}: zero resuming DeepSpeed's", dtype)
+
+
+def test_zero_resumes_deepspeed_checkpoint_offloaded(runs) -> None:
+    """Stage 3 with the optimizer states offloaded to the host (zero's offload path)."""
+    assert_close(runs[2]["ds2zero2"][3, "fp32", "offload"], runs[2]["deepspeed"][3, "fp32"],
+                 "stage 3, offloaded: zero resuming DeepSpeed's")
 
 
 def test_damaged_deepspeed_checkpoints_change_nothing(runs) -> None:
@@ -282,8 +320,10 @@ def test_damaged_deepspeed_checkpoints_change_nothing(runs) -> None:
 
 @pytest.mark.parametrize("saved, world_size", [(saved, size) for saved, sizes in SIZES.items() for size in sizes])
 def test_zero_reshards_deepspeed_checkpoint(runs, saved: int, world_size: int) -> None:
-    assert_close(plain_torch(saved, saved), runs[saved]["deepspeed"][1], "plain torch (the reference) against DeepSpeed")
+    assert_close(plain_torch(saved, saved), runs[saved]["deepspeed"][1, "fp32"],
+                 "plain torch (the reference) against DeepSpeed")
     want = plain_torch(saved, world_size)
     for stage in STAGES:
-        assert_close(runs[saved][f"ds2zero{world_size}"][stage], want,
+        assert_close(runs[saved][f"ds2zero{world_size}"][stage, "fp32"], want,
                      f"stage {stage}: zero on {world_size} rank(s) resuming DeepSpeed's from {saved}")
+
