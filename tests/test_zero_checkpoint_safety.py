@@ -3,11 +3,12 @@ flipped data bytes, truncated, empty and missing files, another model's
 checkpoint, a pickle payload; each is the same ValueError on every rank,
 within the agreement's timeout, naming the file (and the parameter), and the
 engine's parameters and optimizer state hash the same as before the call.
-A pickle payload never runs (load_checkpoint, to_fp32). A failing write
+A pickle payload never runs (load_checkpoint, to_fp32, to_deepspeed). A failing write
 during save names its path on every rank; the next save cleans up."""
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import resource
@@ -26,7 +27,7 @@ from test_zero_reshard import new_engine, train
 from zero_reference import TinyTransformer, engine_config, make_model
 
 import zero
-from zero import checkpoint, to_fp32
+from zero import checkpoint, to_deepspeed, to_fp32
 from zero.checkpoint_files import ENGINE_STATE, MANIFEST, file_crc32
 from zero.tensorfile import SafetensorsReader
 
@@ -249,6 +250,11 @@ def test_damaged_checkpoints_change_nothing() -> None:
         with pytest.raises(ValueError, match="refused"):
             to_fp32.convert(planted, os.path.join(root, "out.safetensors"))
         assert not os.path.exists(marker), "to_fp32 ran the payload"
+        if importlib.util.find_spec("deepspeed") is not None:  # to_deepspeed writes DeepSpeed's classes
+            with pytest.raises(ValueError, match="refused"):
+                to_deepspeed.convert(planted, os.path.join(root, "out-deepspeed"))
+            assert not os.path.exists(marker), "to_deepspeed ran the payload"
+            assert not os.path.exists(os.path.join(root, "out-deepspeed")), "to_deepspeed wrote before it validated"
         for case in ("data_byte", "truncated"):
             with pytest.raises(ValueError, match=SHARD1):
                 to_fp32.convert(os.path.join(root, f"stage3-{case}"), os.path.join(root, "out.pt"))

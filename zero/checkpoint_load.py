@@ -4,7 +4,8 @@ that all of them did, and only then does any rank change its state.
 
 [Note: validate, agree, apply]
     every rank   stage(): resolve the tag, read the manifest, the engine state
-                 (plain data), check names, shapes, dtypes, the batch layout,
+                 (plain data; or DeepSpeed's files, deepspeed_checkpoint.py,
+                 served through the same calls), check names, shapes, dtypes, the batch layout,
                  read every master slice and optimizer state this rank updates
                  into new tensors, each saved tensor's crc32 checked first
     agree        (zero/barrier.py: a deadline; carries each rank's error)

@@ -141,7 +141,8 @@ class DeepSpeedShards:
 
     def kinds(self, name: str) -> set[str]:
         rank, piece = self.by_name[name][0]
-        return {"master"} | {k for k, v in self.optimizer_state(rank, piece.group).items() if isinstance(v, torch.Tensor)}
+        state = self.optimizer_state(rank, piece.group)
+        return {"master"} | {k for k, v in state.items() if isinstance(v, torch.Tensor)}
 
     def read(self, name: str, kind: str, out: torch.Tensor, begin: int) -> set[str]:
         covered = 0
