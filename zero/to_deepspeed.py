@@ -70,8 +70,10 @@ class Source:
             if param is None or param in seen:
                 continue
             seen.add(param)
-            _, shard = self.saved.by_name[param][0]
-            groups[shard.group].append(param)
+            saved = self.saved.by_name.get(param)
+            if not saved or saved[0][1].group is None or not 0 <= saved[0][1].group < len(groups):
+                raise ValueError(f"{self.directory}: parameter {param} has no shard in an optimizer param group")
+            groups[saved[0][1].group].append(param)
         return groups
 
     def aliases(self) -> dict[str, str]:
