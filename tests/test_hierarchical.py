@@ -3,6 +3,8 @@ torch.distributed gloo on the same random data; auto's choice; a dead peer."""
 from __future__ import annotations
 
 import os
+import signal
+import time
 
 import pytest
 import torch
@@ -141,6 +143,36 @@ def test_dead_peer_fails_every_rank():
     messages = run_ranks(die_during_all_reduce, 4, INTERLEAVED, may_die=frozenset({1}), timeout=60)
     assert messages[1] is None
     assert all(messages[r] for r in (0, 2, 3)), messages
+
+
+def die_between_levels(rank, world_size, hosts):
+    """Rank 1 dies after its local step, as its cross-host step starts: rank 3
+    (its local peer) passed step 1 and runs a long cross-host step with rank 2,
+    both alive (32 MiB in 96-byte segments: seconds), while rank 0 fails at
+    once. Ranks 2 and 3 must hear of it from rank 0 ([Note: hierarchical
+    failures]), not at their next local step."""
+    group = hierarchical_group(rank, hosts, timeout=TIMEOUT_S)
+    if rank == 1:
+        def die(**_):
+            os.kill(os.getpid(), signal.SIGKILL)
+        group.transport.cross.all_reduce = die
+    big = torch.ones(8 << 20)
+    ringcomm.barrier(group=group)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        ringcomm.all_reduce(big, group=group)
+    elapsed = time.monotonic() - start
+    message = str(info.value)
+    assert f"all_reduce: rank {rank} " in message and "at step" in message, message
+    assert elapsed < 2 * TIMEOUT_S, f"rank {rank} took {elapsed:.1f} s to notice: {message}"
+    with pytest.raises(RuntimeError, match="unusable"):  # a broken group refuses further work
+        ringcomm.all_reduce(torch.ones(10), group=group)
+    return message
+
+
+def test_dead_peer_between_levels_fails_every_rank():
+    messages = run_ranks(die_between_levels, 4, INTERLEAVED, may_die=frozenset({1}), timeout=60)
+    assert "aborted the group" in messages[2], messages[2]  # told by rank 0 through the shm segment
 
 
 def test_placement_and_auto_choice_are_pure():

@@ -139,6 +139,9 @@ PYBIND11_MODULE(_C, m) {
       .def("close", &ShmComm::close, "refuse new calls, wait up to timeout_s for the one in flight (then abort it); "
            "whether it ended by itself", py::arg("timeout_s"), no_gil)
       .def("abort", &ShmComm::abort, "the call in flight fails at once; later calls are refused", no_gil)
+      .def("peer_aborted", &ShmComm::peer_aborted, "'rank N aborted the group' once a peer aborted, else ''",
+           no_gil)
+      .def_property_readonly("broken", &ShmComm::broken, "why the comm refuses work after a failure ('' if usable)")
       .def("register_window", &ShmComm::register_window, py::arg("id"), py::arg("bases"), py::arg("nbytes"), no_gil)
       .def("unregister_window", &ShmComm::unregister_window, "waits for the op in flight if it may read windows",
            py::arg("id"), no_gil)

@@ -123,6 +123,12 @@ class ShmComm {
   bool close(double timeout_s);
   void abort();
   CommState state() const { return static_cast<CommState>(state_.load(std::memory_order_acquire)); }
+  // Why this comm refuses work after a failure ("" while it is usable).
+  const std::string& broken() const { return broken_; }
+  // Whether a peer aborted the group: "rank N aborted the group", else "". For a
+  // caller busy elsewhere (the hierarchical transport's cross-host step polls
+  // it), so a local peer's failure stops this rank before its next local call.
+  std::string peer_aborted();
 
   // Collective: tests whether every rank can read every other's memory by CMA
   // (same user and pid namespace, no seccomp or ptrace rule against it); all

@@ -111,6 +111,18 @@ void ShmComm::check_peer_left(int peer, const std::string& where, bool aborted_o
     fail(where + ": rank " + std::to_string(peer) + " " + left_as(theirs) + " the group");
 }
 
+std::string ShmComm::peer_aborted() {
+  // try_lock: a close or abort in progress (which may unmap) answers "" this time.
+  const std::unique_lock<std::mutex> lock(lifecycle_mutex_, std::try_to_lock);
+  if (!lock.owns_lock() || base_ == nullptr) return "";
+  for (int peer = 0; peer < world_size_; ++peer) {
+    const int32_t theirs = header(peer)->state.load(std::memory_order_acquire);  // untrusted: compared only
+    if (peer != rank_ && theirs == static_cast<int32_t>(CommState::kAborted))
+      return "rank " + std::to_string(peer) + " aborted the group";
+  }
+  return "";
+}
+
 std::unique_lock<std::mutex> ShmComm::lock_windows() {
   if (num_windows_.load(std::memory_order_acquire) == 0) return {};
   return std::unique_lock<std::mutex>(windows_mutex_);

@@ -164,6 +164,16 @@ class HierarchicalTransport:
         self.local, self.cross, self._cross_pg = local, cross, cross_pg
         self._scratch = (ring.Scratch(), ring.Scratch())  # two buffers live at once
         self.whole_max_nbytes = whole_max_nbytes  # all_reduce up to here: local + cross all-reduce, no shards
+        # [Note: hierarchical failures] A rank's two levels reach different peers,
+        # and each level's timeout bounds one wait, not a step: a cross-host step
+        # between two live ranks can run long (seconds for a large shard) while a
+        # local peer has already failed, and this rank would notice only at its
+        # next local step. So a rank whose step fails aborts both its levels
+        # (_step): its local peers see that in the shm segment (the cross step
+        # polls it before each transfer, below) and its cross-host peers see its
+        # connections close. Every rank then fails within about one timeout.
+        cross.stop_when(lambda: f"local {why}" if (why := local.peer_aborted()) else "")
+        self._broken = ""
 
     @classmethod
     def create(cls, store: dist.Store, rank: int, placement: Placement, timeout_s: float, *, shm: ShmOptions,
@@ -195,17 +205,25 @@ class HierarchicalTransport:
     @contextlib.contextmanager
     def _step(self, op: str, step: int, what: str) -> Iterator[None]:
         """Names op, step and ranks (global, and which global ranks the
-        sub-transport's ranks are) in a failure of one sub-transport call."""
+        sub-transport's ranks are) in a failure of one sub-transport call; a
+        failure that breaks a level aborts both ([Note: hierarchical failures])."""
+        if self._broken:
+            raise RuntimeError(f"{op}: rank {self.rank}: the group is unusable after an earlier failure: "
+                               f"{self._broken}")
         try:
             yield
         except RuntimeError as err:
             host_ranks = self.placement.ranks_on[self.host]
             ring_ranks = [ranks[self.local_rank] for ranks in self.placement.ranks_on]
-            raise RuntimeError(
+            message = (
                 f"{op}: rank {self.rank} (host {self.host} {self.placement.hosts[self.rank]!r}, local rank "
                 f"{self.local_rank}) failed at step {step} ({what}); local ranks 0..{len(host_ranks) - 1} are "
                 f"global ranks {list(host_ranks)}, cross-host ring ranks 0..{len(ring_ranks) - 1} are global "
-                f"ranks {ring_ranks}: {err}") from err
+                f"ranks {ring_ranks}: {err}")
+            if self.local.broken or self.cross.broken:  # not a refusal that leaves the level usable
+                self._broken = message
+                self.abort()
+            raise RuntimeError(message) from err
 
     def all_reduce(self, *, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> None:
         input, output = input.view(-1), output.view(-1)

@@ -165,6 +165,15 @@ class ShmTransport:
         """The call in flight fails at once ("aborted"); later calls are refused."""
         self._comm.abort()
 
+    @property
+    def broken(self) -> str:
+        """Why the transport refuses work after a failure ("" while it is usable)."""
+        return self._comm.broken
+
+    def peer_aborted(self) -> str:
+        """'rank N aborted the group' once a peer aborted, else "" (cheap: reads the segment)."""
+        return self._comm.peer_aborted()
+
 
 def _publish(store: dist.Store, key: str, name: str) -> None:
     """Tells the other ranks the name of a segment this rank created."""

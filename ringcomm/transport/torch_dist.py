@@ -7,6 +7,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -54,6 +55,7 @@ class _P2PLink:
         self.timeout = timedelta(seconds=timeout_s)
         self.diagnosis = diagnosis
         self.broken = ""  # after a failure, late messages could pair with new ones: refuse further work
+        self.interrupt: Callable[[], str] | None = None  # see TorchDistTransport.stop_when
 
     def start(self, send: torch.Tensor | None, recv: torch.Tensor | None, *, op: str, step: int) -> _PendingTransfer:
         tag = step
@@ -70,6 +72,10 @@ class _P2PLink:
     def run(self, call, op: str, step: int, what: str):
         """Runs a process-group call; its failure becomes a RuntimeError naming op, step and peers."""
         self.gate.check(op, step, self.world_size - 1)
+        if self.interrupt is not None and (why := self.interrupt()):
+            self.broken = (f"{op}: rank {self.rank} at step {step}/{self.world_size - 1} stopped before {what}: "
+                           f"{why}")
+            raise RuntimeError(self.broken)
         try:
             return call()
         except Exception as err:  # gloo/NCCL raise RuntimeError or DistBackendError
@@ -148,6 +154,16 @@ class TorchDistTransport:
         self._gate = CallGate(self.rank)
         self._link = _P2PLink(pg, timeout_s, _Diagnosis(store, self.rank, self.world_size), self._gate)
         self._scratch = ring.Scratch()
+
+    @property
+    def broken(self) -> str:
+        """Why the transport refuses work after a failure ("" while it is usable)."""
+        return self._link.broken
+
+    def stop_when(self, why: Callable[[], str]) -> None:
+        """Before each transfer, calls why(); a non-empty answer fails the call in
+        flight with it (and breaks the transport, as a failed transfer does)."""
+        self._link.interrupt = why
 
     def supports(self, tensor: torch.Tensor) -> bool:
         return True
