@@ -155,9 +155,11 @@ class SavedShards:
         self.by_name: dict[str, list[tuple[SafetensorsReader, NamedShard]]] = {}
         self.kinds: dict[tuple[int, str], set[str]] = {}  # (reader, shard key) -> "master" and the state keys
         self.verified: set[tuple[int, str]] = set()
+        self.rank_of: dict[int, int] = {}  # id(reader) -> the rank that wrote it
         try:
             for r in range(world_size):
                 self.readers.append(self._open(directory, manifest, r, world_size))
+                self.rank_of[id(self.readers[-1])] = r
         except BaseException:
             self.close()
             raise
@@ -211,11 +213,15 @@ class SavedShards:
                                  f"({shard.numel},)")
             reader.read(tensor, out[lo - begin:hi - begin], lo - shard.offset)
             covered += hi - lo
-            kinds |= self.kinds[(self.readers.index(reader), shard.key)]
+            kinds |= self.kinds_of(reader, shard)
         if covered != out.numel():
             raise ValueError(f"load_checkpoint: the saved shards cover {covered} of elements [{begin}, "
                              f"{begin + out.numel()}) of {name}")
         return kinds
+
+    def kinds_of(self, reader: SafetensorsReader, shard: NamedShard) -> set[str]:
+        """What a saved shard holds: "master" and its optimizer states' keys."""
+        return self.kinds[(self.rank_of[id(reader)], shard.key)]
 
     def state(self, name: str, offset: int, numel: int, kind: str) -> torch.Tensor:
         """One optimizer state of elements [offset, offset + numel) of `name`:

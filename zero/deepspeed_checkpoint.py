@@ -15,6 +15,7 @@ that passes is also checked against the others' shapes and sizes.
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 
@@ -66,7 +67,7 @@ class DeepSpeedShards:
         self.model_path, self.model = self._model_states()
         self.stage, self.world_size = self._optim_states()
         self.shapes = {name: tuple(shape) for group in self.model["param_shapes"] for name, shape in group.items()}
-        groups = [[(name, _numel(shape)) for name, shape in group.items()] for group in self.model["param_shapes"]]
+        groups = [[(name, math.prod(shape)) for name, shape in group.items()] for group in self.model["param_shapes"]]
         sub_group_size = (self.model.get("ds_config") or {}).get("zero_optimization", {}).get("sub_group_size")
         self.layout = flat_layout(self.stage, self.world_size, groups, alignment_paddings=self.alignment,
                                   sub_group_size=int(sub_group_size or SUB_GROUP_SIZE))
@@ -235,12 +236,6 @@ class DeepSpeedShards:
                      for r in range(self.world_size)]
             for name, shape in (self.model.get("frozen_param_shapes") or {}).items():
                 whole = torch.cat([f["frozen_param_fragments"][name].reshape(-1) for f in files])
-                out[name] = whole[:_numel(shape)].view(tuple(shape))
+                out[name] = whole[:math.prod(shape)].view(tuple(shape))
         return out
 
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n

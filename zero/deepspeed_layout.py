@@ -40,9 +40,10 @@ from dataclasses import dataclass, field
 import torch
 
 from .checkpoint_files import load_plain
+from .config import ZeroOptions
 
 DS_VERSION = "0.19.8"  # the DeepSpeed whose layout this follows (checked in tests/test_zero_deepspeed_interop.py)
-SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's default zero_optimization.sub_group_size
+SUB_GROUP_SIZE = ZeroOptions().sub_group_size  # zero_optimization.sub_group_size by default (DeepSpeed's too)
 
 
 def model_states_name(stage: int, rank: int = 0) -> str:

@@ -24,8 +24,7 @@ import torch
 
 from .checkpoint import commit, writing
 from .checkpoint_files import MODEL_STATES, SavedShards, check_file, load_plain, read_engine_state, read_manifest
-from .deepspeed_layout import (DS_VERSION, SUB_GROUP_SIZE, Layout, flat_layout, model_states_name,
-                               optim_states_name)
+from .deepspeed_layout import DS_VERSION, Layout, flat_layout, model_states_name, optim_states_name
 from .tensorfile import fsync_dir
 from .to_fp32 import checkpoint_directory
 
@@ -60,7 +59,7 @@ class Source:
         self.groups = self._groups()
         self.layout = flat_layout(self.stage, self.world_size,
                                   [[(n, math.prod(self.state["params"][n])) for n in g] for g in self.groups],
-                                  sub_group_size=int(self.facts.get("sub_group_size", SUB_GROUP_SIZE)))
+                                  sub_group_size=int(self.facts["sub_group_size"]))
 
     def _groups(self) -> list[list[str]]:
         """Each optimizer param group's parameters, in module order (DeepSpeed's flat-group order)."""
@@ -99,7 +98,7 @@ class Source:
                  [p for pieces in self.layout.pieces for p in pieces if p.group == group]
         first = pieces[0]
         reader, shard, _, _ = next(self.saved.overlaps(first.name, first.begin, first.begin + first.numel))
-        kinds = sorted(self.saved.kinds[(self.saved.readers.index(reader), shard.key)] - {"master"})
+        kinds = sorted(self.saved.kinds_of(reader, shard) - {"master"})
         out = {}
         for kind in kinds:
             value = self.saved.state(first.name, first.begin, first.numel, kind)
