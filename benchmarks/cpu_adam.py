@@ -4,7 +4,7 @@ bf16 copy-out of the parameter (the whole step as each implementation runs it).
 
     python benchmarks/cpu_adam.py [--sizes 10e6,100e6] [--threads 2] [--repeats 3]
 
-Rows: the engine (zero/host_step.py: csrc/cpu/adam.cpp, one pass incl. unscale
+Rows: the engine (zero/host_adam.py: csrc/cpu/adam.cpp, one pass incl. unscale
 and the bf16 copy), torch's fused AdamW (grad_scale folds the unscale in; a
 second pass for the bf16 copy), torch's foreach AdamW (separate unscale pass),
 DeepSpeed's path (its unscale pass, DeepSpeedCPUAdam, then the copy; built
@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from zero import host_step  # noqa: E402
+from zero.offload import host_adam  # noqa: E402
 
 # bytes read + written per parameter: norm (read grad 4); a fused Adam pass (grad
 # 4, master/exp_avg/exp_avg_sq read and written 24); a separate unscale (8); a
@@ -59,7 +59,7 @@ def engine_step(numel: int):
 
     def step() -> None:
         master.grad = grad
-        host_step.adam_step(opt, clip_coef(grad, 1024.0), {id(master): out})
+        host_adam.adam_step(opt, clip_coef(grad, 1024.0), {id(master): out})
     return step
 
 

@@ -9,7 +9,7 @@ clipping 1.0, the same buckets; a step is forward + backward + optimizer step.
 DDP runs fp32 parameters under bf16 autocast (fp32 gradients: torch's bf16
 compress hook needs CUDA/NCCL), FSDP2 bf16 parameters / reductions over fp32 shards (ZeRO-3's recipe).
 Prints median step times, zero / DeepSpeed, and the MB each rank sent in a
-step: zero's counted at zero/backend.py, DeepSpeed's at torch.distributed's Python
+step: zero's counted at zero/sharding/seam.py, DeepSpeed's at torch.distributed's Python
 collectives (ring volumes for both); writes JSON.
 """
 from __future__ import annotations

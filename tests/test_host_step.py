@@ -1,4 +1,4 @@
-"""zero/host_step.py (csrc/cpu/adam.cpp) against torch's own Adam/AdamW:
+"""zero/host_adam.py (csrc/cpu/adam.cpp) against torch's own Adam/AdamW:
 odd sizes, both decay modes, bf16/fp16/no copy-out, 1 and 2 threads."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import zero_reference  # noqa: F401  (puts the repo root on sys.path)
-from zero import host_step
+from zero.offload import host_adam
 
 
 @pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW])
@@ -25,7 +25,7 @@ def test_fused_host_step_matches_torch(cls) -> None:
         for step in range(4):
             grad, coef = torch.randn(numel, generator=g) * 100, 0.01 * (step + 1)
             ours.grad, ref.grad = grad.clone(), grad * coef
-            host_step.adam_step(opt, coef, {} if out is None else {id(ours): out})
+            host_adam.adam_step(opt, coef, {} if out is None else {id(ours): out})
             ref_opt.step()
             # fp32 rounding of a reordered update: a few ulps of |p| per step
             torch.testing.assert_close(ours.detach(), ref.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{case}: {m}")

@@ -13,7 +13,7 @@ import torch
 from harness import run_ranks
 from test_zero_reshard import new_engine, train
 
-from zero import checkpoint
+from zero.checkpoint import save
 
 STAGE = 2
 # (phase at which rank 0 dies, fixed tag?) -> which checkpoint must load afterwards. Rank 1 dies at
@@ -28,7 +28,7 @@ CASES = {
 def kill_worker(rank: int, world_size: int, save_dir: str, phase: str, victims: tuple[int, ...], fixed: bool) -> str:
     """Saves after a step, writes the parameters at both saves next to the
     checkpoint, then saves again after another step and is killed at `phase`."""
-    checkpoint.BARRIER_TIMEOUT_S = 3.0  # a survivor stops waiting for a dead rank
+    save.BARRIER_TIMEOUT_S = 3.0  # a survivor stops waiting for a dead rank
     tag = "fixed" if fixed else None
     engine = new_engine(STAGE, world_size)
     train(engine, rank, world_size, range(1))
@@ -42,7 +42,7 @@ def kill_worker(rank: int, world_size: int, save_dir: str, phase: str, victims: 
     def hook(at: str, at_rank: int) -> None:
         if rank in victims and at in (phase, "waiting"):
             os.kill(os.getpid(), signal.SIGKILL)
-    checkpoint.phase_hook = hook
+    save.phase_hook = hook
     try:
         engine.save_checkpoint(save_dir, tag)
     except RuntimeError as error:  # a dead rank fails the barrier
@@ -87,4 +87,4 @@ def test_kill_during_save() -> None:
 @pytest.mark.parametrize("tag", ["../x", ".hidden", ""])
 def test_bad_tag(tag: str) -> None:
     with pytest.raises(ValueError, match="tag"):
-        checkpoint.save(None, "/nonexistent", tag)
+        save.save(None, "/nonexistent", tag)

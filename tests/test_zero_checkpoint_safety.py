@@ -27,9 +27,9 @@ from test_zero_reshard import new_engine, train
 from zero_reference import TinyTransformer, engine_config, make_model
 
 import zero
-from zero import checkpoint, to_deepspeed, to_fp32
-from zero.checkpoint_files import ENGINE_STATE, MANIFEST, file_crc32
-from zero.tensorfile import SafetensorsReader
+from zero.checkpoint import save, to_deepspeed, to_fp32
+from zero.checkpoint.format import ENGINE_STATE, MANIFEST, file_crc32
+from zero.checkpoint.tensorfile import SafetensorsReader
 
 TAG = "global_step2"
 SHARD0, SHARD1 = "zero_shards_rank0_of2.safetensors", "zero_shards_rank1_of2.safetensors"
@@ -164,7 +164,7 @@ def expect_refusal(engine, rank: int, directory: str, words: list[str], case: st
 
 
 def load_worker(rank: int, world_size: int, root: str) -> None:
-    checkpoint.BARRIER_TIMEOUT_S = TIMEOUT_S
+    save.BARRIER_TIMEOUT_S = TIMEOUT_S
     for stage in (2, 3):
         good = os.path.join(root, f"stage{stage}")
         for case in FOREIGN:  # another model's checkpoint, saved by the same ranks
@@ -207,22 +207,22 @@ def full_disk(write_shards):
 
 
 def save_worker(rank: int, world_size: int, root: str) -> None:
-    checkpoint.BARRIER_TIMEOUT_S = TIMEOUT_S
+    save.BARRIER_TIMEOUT_S = TIMEOUT_S
     engine = new_engine(2, world_size)
     train(engine, rank, world_size, range(1))
     save_dir = os.path.join(root, "save")
     engine.save_checkpoint(save_dir, "kept")
     for case, target, words in (("read-only folder", "/sys/zero-checkpoint-test", ["/sys/zero-checkpoint-test"]),
                                 ("full disk", save_dir, [SHARD1, "File too large", "rank 1"])):
-        original = checkpoint.write_shards
+        original = save.write_shards
         if case == "full disk" and rank == 1:
-            checkpoint.write_shards = full_disk(original)
+            save.write_shards = full_disk(original)
         start = time.monotonic()
         try:
             with pytest.raises(RuntimeError) as caught:
                 engine.save_checkpoint(target, "failed")
         finally:
-            checkpoint.write_shards = original
+            save.write_shards = original
         message, elapsed = str(caught.value), time.monotonic() - start
         assert elapsed < TIMEOUT_S / 2 and all(w in message for w in words), f"rank {rank} {case}: {elapsed:.1f} s {message}"
     dist.barrier()  # rank 0 removed the failed save's .partial before raising
@@ -271,7 +271,7 @@ def test_checksummed_safetensors(tmp_path) -> None:
     reads as written; each tensor verifies, and a flipped byte is named."""
     from safetensors.torch import load_file
 
-    from zero.tensorfile import TensorSpec, write_safetensors
+    from zero.checkpoint.tensorfile import TensorSpec, write_safetensors
 
     tensors = {"a": torch.arange(7, dtype=torch.float32), "b": torch.ones(3, 5, dtype=torch.bfloat16),
                "empty": torch.zeros(0), "c": torch.tensor(3.0)}

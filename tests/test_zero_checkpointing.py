@@ -17,7 +17,7 @@ from harness import run_ranks
 from zero_reference import Block, TinyTransformer, activation_peaks
 
 import zero
-from zero import checkpointing
+from zero.activation import checkpointing
 
 SEED_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "ds_zero3_config.json")
 MODES = {  # activation_checkpointing sections; "partition" ones run the same batch on every rank

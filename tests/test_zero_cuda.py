@@ -3,7 +3,7 @@ of zero_reference.py with the model on a GPU, and what the engine keeps and
 makes in a step (parameters, gradients, buckets, fp32 masters, optimizer
 states) stays on the model's device. Skipped without CUDA devices.
 
-At world size 1 zero/backend.py runs no collective whatever comm_backend says,
+At world size 1 zero/sharding/seam.py runs no collective whatever comm_backend says,
 so the one-GPU test checks placement and arithmetic; the two-GPU test runs
 the engine's collectives through NCCL ("torch") and through ringcomm."""
 from __future__ import annotations

@@ -33,7 +33,7 @@ from test_zero_checkpoint_safety import TIMEOUT_S, Payload, expect_refusal, flip
 from test_zero_dropin import load_script
 
 import zero_reference  # noqa: F401  (puts the repo root on sys.path)
-from zero import checkpoint
+from zero.checkpoint import save
 
 STAGES, SAVED, MORE = (1, 2, 3), 3, 3
 # fp32: both engines sum the same gradients in other orders: 1e-5 relative. bf16: their gradients
@@ -165,7 +165,7 @@ def damage_worker(rank: int, world_size: int, root: str) -> None:
     """zero on 2 ranks refuses each damaged copy of DeepSpeed's checkpoint
     alike on every rank, its state unchanged, then loads the good one."""
     script = start(rank, world_size, "zero")
-    checkpoint.BARRIER_TIMEOUT_S = TIMEOUT_S
+    save.BARRIER_TIMEOUT_S = TIMEOUT_S
     for stage in (2, 3):
         good = path(os.path.join(root, "deepspeed"), stage, "fp32")
         engine = new_engine(script, stage)
@@ -227,7 +227,7 @@ SIZES = {2: (1, 3), 3: (2,)}  # the world sizes saved on, and those each is resh
 def interop(root: str, world_size: int) -> dict:
     """Both engines save on `world_size` ranks and continue; each resumes the
     other's checkpoint (zero also on the SIZES it is resharded to)."""
-    from zero import to_deepspeed
+    from zero.checkpoint import to_deepspeed
 
     env = {"DS_ACCELERATOR": "cpu"}
     out = {name: run_ranks(save_worker, world_size, name, root, timeout=300, env=env)[0]
@@ -257,7 +257,7 @@ def fp32_outputs(root: str) -> dict:
     the converted one, and (stage 3) DeepSpeed's zero_to_fp32.py script's."""
     from deepspeed_cpu import import_deepspeed
 
-    from zero import to_fp32
+    from zero.checkpoint import to_fp32
 
     import_deepspeed()
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint

@@ -307,7 +307,7 @@ def init_memory_worker(rank: int, world_size: int) -> tuple[float, float]:
     import ctypes
 
     import zero
-    from zero import build
+    from zero.runtime import build
 
     # A fixed mmap threshold: glibc then returns every freed block of 1 MiB or more
     # at once (its adaptive threshold would keep freed blocks resident and hide

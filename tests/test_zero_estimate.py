@@ -19,7 +19,7 @@ from harness import run_ranks
 from zero_reference import TinyTransformer, activation_peaks
 
 import zero
-from zero import memory_model as mm
+from zero.estimate import memory_model as mm
 from zero.estimate import count_model, estimate, shape_from_hf
 from zero.estimate.__main__ import main
 
@@ -256,7 +256,7 @@ def test_cli_model_and_shapes(capsys) -> None:
 def test_memory_model_imports_only_stdlib() -> None:
     import ast
 
-    tree = ast.parse(open(os.path.join(ROOT, "zero", "memory_model.py")).read())
+    tree = ast.parse(open(os.path.join(ROOT, "zero", "estimate", "memory_model.py")).read())
     for node in ast.walk(tree):
         names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
             [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else []

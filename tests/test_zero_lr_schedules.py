@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import zero_reference  # noqa: F401  (puts the repo root on sys.path)
-from zero import config as cfg
-from zero.optim import scheduler_from_config
+from zero.runtime import config as cfg
+from zero.runtime.optim import scheduler_from_config
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                 reason="deepspeed not installed (test extra)")

@@ -26,7 +26,7 @@ from harness import run_ranks
 from test_zero_offload import new_engine, run_steps
 
 import zero
-from zero import to_fp32
+from zero.checkpoint import to_fp32
 
 DEVICES = ("none", "cpu", "nvme")
 MODIFIED = "head.bias"  # the parameter rank 0 sets through GatheredParameters(modifier_rank=0)

@@ -9,10 +9,10 @@ import warnings
 import pytest
 
 import zero_reference  # noqa: F401  (puts the repo root on sys.path)
-from zero import config as cfg
-from zero.no_effect import NO_EFFECT, NoEffectWarning
-from zero.partition import ShardingPolicy, wire_numel
-from zero.precision import DynamicLossScaler, ScalerOptions
+from zero.runtime import config as cfg
+from zero.runtime.no_effect import NO_EFFECT, NoEffectWarning
+from zero.sharding.policy import ShardingPolicy, wire_numel
+from zero.runtime.precision import DynamicLossScaler, ScalerOptions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = os.path.join(os.path.dirname(ROOT), "shared", "configs")  # the users' files, next to the checkout
@@ -20,13 +20,13 @@ CONFIGS = SHARED if os.path.isdir(SHARED) else os.path.join(ROOT, "tests", "data
 FACTS = cfg.ModelFacts(world_size=4, param_dtype="float32", hidden_size=64)
 
 
-def test_partition_imports_only_stdlib() -> None:
-    tree = ast.parse(open(os.path.join(ROOT, "zero", "partition.py")).read())
+def test_policy_imports_only_stdlib() -> None:
+    tree = ast.parse(open(os.path.join(ROOT, "zero", "sharding", "policy.py")).read())
     for node in ast.walk(tree):
         names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
             [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
         for name in names:
-            assert name.split(".")[0] in ("__future__", "dataclasses", "typing", "math"), f"partition imports {name}"
+            assert name.split(".")[0] in ("__future__", "dataclasses", "typing", "math"), f"policy imports {name}"
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -141,7 +141,7 @@ def test_dynamic_loss_scaler_rules() -> None:
 
 def test_rebind_keeps_param_groups() -> None:
     import torch
-    from zero.optim import rebind
+    from zero.runtime.optim import rebind
     a, b, c = (torch.nn.Parameter(torch.zeros(n)) for n in (4, 6, 3))
     opt = torch.optim.AdamW([{"params": [a, c], "weight_decay": 0.1}, {"params": [b], "weight_decay": 0.0}])
     flat = torch.zeros(13)

@@ -19,7 +19,7 @@ from harness import run_ranks
 from zero_reference import CLIP, LR, MICRO, engine_config, loss_fn, make_batch, make_model
 
 import zero
-from zero import checkpoint_load, to_fp32
+from zero.checkpoint import load as checkpoint_load, to_fp32
 
 KIND, SAVED_WORLD, SAVED_STEPS, MORE_STEPS = "tied", 2, 2, 3
 STAGES = (0, 1, 2, 3)
@@ -144,7 +144,7 @@ def test_to_fp32_command_line(saved, tmp_path) -> None:
 
 PEAK_SCRIPT = """
 import sys
-from zero import checkpoint, to_fp32
+from zero.checkpoint import save, to_fp32
 def status(key):
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))
 for output in sys.argv[2:]:

@@ -65,7 +65,7 @@ class TorchAttention(nn.Module):
 def activation_peaks(model: nn.Module, tokens: torch.Tensor, loss) -> dict[bool, int]:
     """Peak bytes autograd holds in one forward and backward of copies of
     `model`, without (False) and with (True) every Block checkpointed."""
-    from zero import checkpointing
+    from zero.activation import checkpointing
 
     peaks = {}
     for checkpointed in (False, True):

@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import argparse
 
-from . import checkpointing, comm, zero
-from .build import build_engine
+from . import checkpointing, comm, estimate, zero
 from .comm import init_distributed
-from .config import EngineConfig, parse
-from .engine import ZeroEngine
-from .estimate import estimate
-from .partition import ShardingPolicy
-from .zero import GatheredParameters, Init
+from .runtime.build import build_engine
+from .runtime.config import EngineConfig, parse
+from .runtime.engine import ZeroEngine
+from .sharding.init import GatheredParameters, Init
+from .sharding.policy import ShardingPolicy
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,

@@ -5,9 +5,9 @@ import argparse
 import json
 import sys
 
-from .. import memory_model as mm
 from . import __doc__ as DOC
 from . import estimate, shape_from_hf
+from . import memory_model as mm
 
 
 def main(argv: list[str] | None = None) -> int:

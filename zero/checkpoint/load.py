@@ -4,11 +4,11 @@ that all of them did, and only then does any rank change its state.
 
 [Note: validate, agree, apply]
     every rank   stage(): resolve the tag, read the manifest, the engine state
-                 (plain data; or DeepSpeed's files, deepspeed_checkpoint.py,
+                 (plain data; or DeepSpeed's files, deepspeed_files.py,
                  served through the same calls), check names, shapes, dtypes, the batch layout,
                  read every master slice and optimizer state this rank updates
                  into new tensors, each saved tensor's crc32 checked first
-    agree        (zero/barrier.py: a deadline; carries each rank's error)
+    agree        (barrier.py: a deadline; carries each rank's error)
     every rank   apply(): copy the staged values in, hand the optimizer its
                  states, scheduler, scaler, counters; publish the masters
 If any rank failed to stage, every rank raises the same ValueError naming
@@ -41,12 +41,12 @@ from dataclasses import dataclass
 
 import torch
 
-from . import checkpoint
+from . import save
 from .barrier import store_agree
-from .checkpoint import master_slices, param_shapes
-from .checkpoint_files import (ENGINE_STATE, MANIFEST, MODEL_STATES, SavedShards, check_file, load_plain,
-                               read_engine_state, read_manifest, resolve)
-from .deepspeed_checkpoint import DeepSpeedShards, is_deepspeed
+from .deepspeed_files import DeepSpeedShards, is_deepspeed
+from .format import (ENGINE_STATE, MANIFEST, MODEL_STATES, SavedShards, check_file, load_plain, read_engine_state,
+                     read_manifest, resolve)
+from .save import master_slices, param_shapes
 
 log = logging.getLogger("zero")
 
@@ -90,7 +90,7 @@ def load(engine, load_dir: str, tag: str | None = None, *, load_module_strict: b
         staged = stage(engine, load_dir, tag, options)
     except Exception as caught:  # every failure to read or check, agreed on below
         message, error = f"{type(caught).__name__}: {caught}", caught
-    failures = store_agree(f"load_checkpoint {load_dir}", checkpoint.BARRIER_TIMEOUT_S, message)
+    failures = store_agree(f"load_checkpoint {load_dir}", save.BARRIER_TIMEOUT_S, message)
     if failures:
         raise ValueError(f"load_checkpoint {load_dir} (tag {tag}): nothing was loaded on any rank; "
                          + "; ".join(f"rank {r}: {m}" for r, m in failures)) from error
@@ -100,7 +100,7 @@ def load(engine, load_dir: str, tag: str | None = None, *, load_module_strict: b
 
 # ---- stage: read and check, change nothing ---------------------------------------------------------
 def stage(engine, load_dir: str, tag: str | None, options: LoadOptions) -> Staged:
-    """zero's own checkpoint, or DeepSpeed's (deepspeed_checkpoint.py), read and checked."""
+    """zero's own checkpoint, or DeepSpeed's (deepspeed_files.py), read and checked."""
     directory = resolve(load_dir, tag)
     if not os.path.isfile(os.path.join(directory, MANIFEST)) and is_deepspeed(directory):
         saved = DeepSpeedShards(directory)

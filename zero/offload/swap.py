@@ -23,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from .config import AioOptions
+from ..runtime.config import AioOptions
 
 ALIGN = 4096  # direct I/O alignment of offsets, sizes and buffer addresses (the page size covers every device)
 

@@ -7,17 +7,17 @@ from torch import nn
 
 from ringcomm.layout import BufferLayout, plan_buckets, plan_module_buckets
 
-from . import checkpointing
-from . import comm as comm_mod
+from .. import comm as comm_mod
+from ..activation import checkpointing
+from ..offload.host import HostParamGroup
+from ..offload.nvme_params import NvmeParamGroup
+from ..sharding import init as zero_init
+from ..sharding.gather import ModuleGatherer
+from ..sharding.param_group import ParamGroup, build_buckets
+from ..sharding.seam import make_comm
 from . import config as config_mod
 from . import optim
-from . import zero as zero_init
-from .backend import make_comm
 from .engine import EngineParts, ZeroEngine
-from .gather import ModuleGatherer
-from .infinity import NvmeParamGroup
-from .offload import HostParamGroup
-from .param_group import ParamGroup, build_buckets
 from .precision import make_scaler
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

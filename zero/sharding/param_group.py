@@ -26,11 +26,11 @@ from ringcomm.layout import BufferLayout
 from ringcomm.overlap import OwnedBucketScheduler
 from ringcomm.schedule import Span
 
-from . import host_step
-from . import zero as zero_init
-from .backend import Comm, Handle
-from .optim import unscaled
-from .partition import ShardingPolicy
+from ..offload import host_adam
+from ..runtime.optim import unscaled
+from . import init as zero_init
+from .policy import ShardingPolicy
+from .seam import Comm, Handle
 
 NORM_SLICE_NUMEL = 1 << 20  # elements converted to float64 at a time by grad_norm
 
@@ -281,9 +281,9 @@ class ParamGroup:
             for view, begin, end in bucket.master_views:
                 view.grad = g[begin:end]
         published: set[int] = set()
-        if host_step.applies(optimizer):
+        if host_adam.applies(optimizer):
             outputs = self.host_outputs()
-            host_step.adam_step(optimizer, coef, outputs)
+            host_adam.adam_step(optimizer, coef, outputs)
             published = {b.span.index for b in self.buckets if all(id(v) in outputs for v, _, _ in b.master_views)}
         else:
             with unscaled(optimizer, coef) as fused:
@@ -301,7 +301,7 @@ class ParamGroup:
         outputs = {}
         for bucket in self.buckets:
             target = self.publish_target(bucket)
-            if target.dtype in host_step.DTYPE_CODES and target.device.type == "cpu":
+            if target.dtype in host_adam.DTYPE_CODES and target.device.type == "cpu":
                 for view, begin, end in bucket.master_views:
                     outputs[id(view)] = target[begin:end]
         return outputs

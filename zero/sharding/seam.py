@@ -11,7 +11,7 @@ import torch.distributed as dist
 import ringcomm
 from ringcomm.work import completed_future
 
-from .partition import wire_numel
+from .policy import wire_numel
 
 BACKENDS = ("ringcomm", "torch")
 

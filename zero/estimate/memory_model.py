@@ -15,7 +15,7 @@ s*b*h*(attention 5 + norm inputs 2 + MLP) + a*s*s*b elements (+ dropout), the
 MLP term 1 + 2*ratio for an activation that saves its input (GeLU) or
 1 + ratio for one that saves its output, which is the next input (ReLU); in
 16 bits with dropout that is the paper's s*b*h*(34 + 5*a*s/h) bytes.
-Offload follows this engine (zero/offload.py, zero/infinity.py), which
+Offload follows this engine (zero/offload/host.py, zero/offload/nvme_params.py), which
 keeps its 16-bit gradient accumulators on the device: offload_optimizer moves
 the optimizer states (fp32 master and Adam's moments, K bytes per parameter,
 divided by the ranks) to the host or NVMe, offload_param (stage 3) the 16-bit

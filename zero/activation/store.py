@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .backend import Comm, Handle, make_comm
+from ..sharding.seam import Comm, Handle, make_comm
 
 
 @dataclass(frozen=True, slots=True)

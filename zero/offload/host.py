@@ -7,7 +7,7 @@ offload (the parameters themselves when they are fp32, else one fp32 copy), no
 gradient or parameter is copied, and only the accounting changes (the states
 are reported on host). On CUDA the masters are host copies (pinned with
 pin_memory), each bucket's reduced gradient goes to a host fp32 buffer on a side
-stream (zero/offload_cuda.py), the step runs on host and the updated values are
+stream (cuda.py), the step runs on host and the updated values are
 copied back into the device parameters.
 The host step is ParamGroup.step, with the unscale and clip coefficient
 folded into torch's fused kernel (optim.unscaled).
@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from . import offload_cuda
-from .config import OffloadOptions
-from .param_group import ParamGroup, ZeroBucket
+from ..runtime.config import OffloadOptions
+from ..sharding.param_group import ParamGroup, ZeroBucket
+from . import cuda
 
 
 class HostParamGroup(ParamGroup):
@@ -35,7 +35,7 @@ class HostParamGroup(ParamGroup):
         offloaded = options.device != "none"
         self.on_host = host_buckets([b.span.local_chunk(b.rank).numel for b in self.buckets],
                                     options.ratio) if offloaded else set()
-        self.grad_copies: offload_cuda.GradCopies | None = None
+        self.grad_copies: cuda.GradCopies | None = None
         self.param_options = param_options or OffloadOptions()
         self.host_shards: dict[int, torch.Tensor] = {}  # bucket index -> its shard in host memory (CUDA models)
 
@@ -44,7 +44,7 @@ class HostParamGroup(ParamGroup):
         if self.param_options.device == "cpu" and self.policy.shard_params and self.device.type != "cpu":
             for bucket in self.buckets:
                 if not bucket.span.resident:
-                    self.host_shards[bucket.span.index] = offload_cuda.host_copy(
+                    self.host_shards[bucket.span.index] = cuda.host_copy(
                         bucket.shard, bucket.shard.dtype, pin=self.param_options.pin_memory)
                     bucket.shard = self.placeholder(bucket)
         return out
@@ -82,14 +82,14 @@ class HostParamGroup(ParamGroup):
     def make_master(self, bucket: ZeroBucket, source: torch.Tensor) -> torch.Tensor:
         if source.device.type == "cpu" or not self.offloaded(bucket):
             return super().make_master(bucket, source)
-        return offload_cuda.host_copy(source, torch.float32, pin=self.options.pin_memory)
+        return cuda.host_copy(source, torch.float32, pin=self.options.pin_memory)
 
     def owned_grads_fp32(self) -> list[torch.Tensor]:
         grads = [b.owned_grad() for b in self.buckets]
         if all(g.device.type == "cpu" for g in grads):
             return [g if g.dtype == torch.float32 else g.float() for g in grads]
         if self.grad_copies is None:
-            self.grad_copies = offload_cuda.GradCopies(pin=self.options.pin_memory)
+            self.grad_copies = cuda.GradCopies(pin=self.options.pin_memory)
         moved = self.grad_copies.start([g if self.offloaded(b) else None for b, g in zip(self.buckets, grads)])
         return [m if m is not None else g.float() for m, g in zip(moved, grads)]
 

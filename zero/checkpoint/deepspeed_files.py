@@ -1,6 +1,6 @@
 """Resuming a DeepSpeed checkpoint: its files read as plain data
 (deepspeed_layout.py), checked against each other, and served to the loader
-(checkpoint_load.py) through the same calls as zero's own named shards, so it
+(load.py) through the same calls as zero's own named shards, so it
 loads on any world size and stage, all or nothing, like zero's own.
 
 What is restored follows DeepSpeed's own load_checkpoint: the module's

@@ -1,7 +1,7 @@
 """DeepSpeed's checkpoint layout (as DeepSpeed 0.19.8 writes it; ZeRO stages
 1-3, data parallel only): the names of its files, how it cuts the fp32
 masters and the optimizer's states into per-rank flat groups, and how its
-files are read as plain data. zero reads it (deepspeed_checkpoint.py) and
+files are read as plain data. zero reads it (deepspeed_files.py) and
 writes it (to_deepspeed.py).
 
     TAG/mp_rank_00_model_states.pt                       stages 1-2: the module, shapes, counters, scheduler
@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .checkpoint_files import load_plain
-from .config import ZeroOptions
+from ..runtime.config import ZeroOptions
+from .format import load_plain
 
 DS_VERSION = "0.19.8"  # the DeepSpeed whose layout this follows (checked in tests/test_zero_deepspeed_interop.py)
 SUB_GROUP_SIZE = ZeroOptions().sub_group_size  # zero_optimization.sub_group_size by default (DeepSpeed's too)

@@ -2,11 +2,11 @@
 updates (element ranges of each parameter: fp32 master and optimizer states)
 and, from rank 0, the engine state, the module's state_dict and a manifest
 (the files: checkpoint_files.py). save_dir/latest names the last complete tag.
-Named shards load on any world size and stage (checkpoint_load.py).
+Named shards load on any world size and stage (load.py).
 
 [Note: atomic save]
     every rank   write save_dir/.TAG.partial/zero_shards_rank{r}_of{W}, fsync   "written"
-    agree        (zero/barrier.py: each has a deadline, names the ranks missing and carries their errors)
+    agree        (barrier.py: each has a deadline, names the ranks missing and carries their errors)
     rank 0       engine_state.pt, model_states.pt, manifest.json, fsync           "committing"
                  TAG exists: rename TAG -> .TAG.previous                          "renamed_old"
                  rename .TAG.partial -> TAG, fsync save_dir, remove .previous     "before_latest"
@@ -34,8 +34,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from .barrier import store_agree
-from .checkpoint_files import (ENGINE_STATE, FORMAT, MANIFEST, MODEL_STATES, NamedShard,
-                               manifest_entry, shard_file)
+from .format import ENGINE_STATE, FORMAT, MANIFEST, MODEL_STATES, NamedShard, manifest_entry, shard_file
 from .tensorfile import SafetensorsReader, TensorSpec, fsync_dir, write_safetensors
 
 log = logging.getLogger("zero")
@@ -120,7 +119,7 @@ def buffer_names(module: torch.nn.Module) -> list[str]:
 
 def batch_layout(engine) -> dict[str, int]:
     """What one optimizer step is made of: the micro-step counter means
-    nothing without it ([Note: what a resume restores] in checkpoint_load.py)."""
+    nothing without it ([Note: what a resume restores] in load.py)."""
     return {"world_size": engine.world_size, "micro_batch_size": engine.train_micro_batch_size_per_gpu(),
             "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
             "train_batch_size": engine.train_batch_size()}

@@ -1,5 +1,5 @@
 """ZeRO-Infinity: a ParamGroup with offload to NVMe: optimizer states
-(zero/nvme.py) and, at stage 3, the 16-bit parameter shards of non-resident
+(nvme_states.py) and, at stage 3, the 16-bit parameter shards of non-resident
 buckets (ShardSwap) live in swap files.
 
 [Note: swapped parameter shards]
@@ -18,10 +18,10 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from .config import AioOptions, OffloadOptions
-from .nvme import NvmeStates, check_optimizer
-from .offload import HostParamGroup
-from .param_group import ZeroBucket, fold_into_master
+from ..runtime.config import AioOptions, OffloadOptions
+from ..sharding.param_group import ZeroBucket, fold_into_master
+from .host import HostParamGroup
+from .nvme_states import NvmeStates, check_optimizer
 from .swap import IOPool, SwapFile, aligned_empty, round_up
 
 

@@ -8,8 +8,8 @@ import os
 import warnings
 from dataclasses import dataclass, field
 
+from ..sharding.policy import STAGES, ShardingPolicy
 from .no_effect import warn_no_effect
-from .partition import STAGES, ShardingPolicy
 from .precision import ScalerOptions
 
 AUTO = "auto"

@@ -12,12 +12,14 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from . import checkpoint, checkpoint_load, checkpointing
-from .accounting import MemoryReport, memory_report
-from .backend import Comm
+from ..activation import checkpointing
+from ..checkpoint import load as checkpoint_load
+from ..checkpoint import save as checkpoint_save
+from ..sharding.accounting import MemoryReport, memory_report
+from ..sharding.gather import ModuleGatherer
+from ..sharding.param_group import ParamGroup
+from ..sharding.seam import Comm
 from .config import EngineConfig
-from .gather import ModuleGatherer
-from .param_group import ParamGroup
 from .precision import LossScaler
 
 log = logging.getLogger("zero")
@@ -241,7 +243,7 @@ class ZeroEngine:
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         """Collective; returns True, as DeepSpeed. The checkpoint holds the
         trainable parameters (exclude_frozen_parameters is what it does anyway)."""
-        checkpoint.save(self, save_dir, tag, client_state, save_latest=save_latest)
+        checkpoint_save.save(self, save_dir, tag, client_state, save_latest=save_latest)
         return True
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
@@ -250,7 +252,7 @@ class ZeroEngine:
         """Returns (path, client_state), or (None, None) when `tag` is None and
         load_dir has no `latest` file, as DeepSpeed. Collective and all or
         nothing: a checkpoint that does not check out on some rank is the same
-        ValueError on every rank, and no state changed (checkpoint_load.py).
+        ValueError on every rank, and no state changed (zero/checkpoint/load.py).
         A resume starts at an accumulation boundary. load_module_only restores
         the parameters only; the fp32 masters always come from the checkpoint
         (DeepSpeed rebuilds them from the 16-bit weights when it skips the
@@ -266,7 +268,7 @@ class ZeroEngine:
                                load_module_only=load_module_only)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
-        return checkpoint.save_16bit_model(self, save_dir, save_filename)
+        return checkpoint_save.save_16bit_model(self, save_dir, save_filename)
 
     def wire_report(self) -> int:
         """Bytes this rank sent in the last step (ring volume of its collectives)."""

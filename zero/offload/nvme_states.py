@@ -1,5 +1,5 @@
 """ZeRO-Infinity optimizer states: the fp32 masters and Adam's two moments of
-this rank live in an NVMe swap file (zero/swap.py) and the step streams them,
+this rank live in an NVMe swap file (swap.py) and the step streams them,
 sub-group by sub-group, through a bounded pool of host buffers.
 
 [Note: streaming a step]
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import AioOptions, OffloadOptions
-from . import host_step
-from .param_group import ZeroBucket, fold_into_master
+from ..runtime.config import AioOptions, OffloadOptions
+from ..sharding.param_group import ZeroBucket, fold_into_master
+from . import host_adam
 from .swap import IOPool, SwapFile, Transfer, aligned_empty, round_up
 
 STATE_NAMES = ("exp_avg", "exp_avg_sq")
@@ -66,7 +66,7 @@ def plan_sub_groups(numels: list[list[int]], sub_group_size: int) -> list[SubGro
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """The states streamed are Adam's, updated by zero/host_step.py."""
+    """The states streamed are Adam's, updated by host_adam.py."""
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or \
             any(g.get("amsgrad") or g.get("maximize") for g in optimizer.param_groups):
         raise ValueError(f"zero config: zero_optimization.offload_optimizer.device nvme streams Adam/AdamW states "
@@ -159,7 +159,7 @@ class NvmeStates:
             if prefetch and index + 1 < count:
                 read = self.start_read(index + 1)
             views = self.bind(index, optimizer, grads)
-            host_step.adam_step(optimizer, coef, {})
+            host_adam.adam_step(optimizer, coef, {})
             for ((k, j), _, _), view in zip(self.slices(index), views):
                 copy_out(k, self.buckets[k].master_views[j][1], view.detach())
             self.unbind(index, optimizer)

@@ -1,0 +1,4 @@
+"""Checkpoints: the file format and its checks (format.py, tensorfile.py),
+the atomic collective save (save.py) and the all-or-nothing load (load.py,
+agreed through barrier.py), DeepSpeed's layout both ways (deepspeed_layout.py,
+deepspeed_files.py, to_deepspeed.py) and offline consolidation (to_fp32.py)."""
