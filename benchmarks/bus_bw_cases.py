@@ -11,14 +11,13 @@ import torch.distributed as dist
 
 import ringcomm
 from ringcomm import _C
+from ringcomm.schedule import bus_factor
 
 # torch 2.13 names, with the older ones as fallback.
 GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 GLOO_OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 RINGCOMM_OPS = {"sum": "sum", "prod": "product", "min": "min", "max": "max", "avg": "avg"}
-BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
-              "all_gather": lambda n: (n - 1) / n}
 
 
 class Runner:
@@ -166,7 +165,7 @@ class Runner:
                 seconds = self.time_call(call)
                 algbw = numel * esize / seconds / 1e9
                 columns["ip" if in_place else "oop"] = dict(time_us=seconds * 1e6, algbw=algbw,
-                                                            busbw=algbw * BUS_FACTOR[op](self.world_size), wrong=wrong)
+                                                            busbw=algbw * bus_factor(op, self.world_size), wrong=wrong)
             rows.append(dict(op=op, backend=backend, size=numel * esize, count=numel, type=str(self.dtype)[6:],
                              redop=self.args.op, memcpy_gbps=memcpy, **columns))
             if progress is not None:

@@ -25,9 +25,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bus_bw import parse_size  # noqa: E402
 from launch import launch  # noqa: E402
 
+from ringcomm.schedule import bus_factor  # noqa: E402
+
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 REFERENCE = {"cuda": "nccl", "cpu": "gloo"}
-BUS_FACTOR = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -126,7 +127,7 @@ def measure(op: str, nbytes: int, group, backend: str, args: argparse.Namespace)
         return row
     algbw = numel * 4 / seconds / 1e9
     row.update(time_us=seconds * 1e6, algbw_GBps=algbw,
-               busbw_GBps=algbw * BUS_FACTOR[op] * (world_size - 1) / world_size)
+               busbw_GBps=algbw * bus_factor(op, world_size))
     return row
 
 

@@ -26,6 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from launch import launch  # noqa: E402
 
+from ringcomm.schedule import bus_factor  # noqa: E402
+
 STAGES = (0, 1, 2, 3)
 
 
@@ -101,20 +103,21 @@ class WireCounter:
     from Python (DeepSpeed's path), with ring volumes: all_reduce 2 S (n-1)/n,
     reduce-scatter / all-gather S (n-1)/n, S the full tensor's bytes."""
 
-    FACTORS = {"all_reduce": 2.0, "reduce_scatter_tensor": 1.0, "_reduce_scatter_base": 1.0,
-               "all_gather_into_tensor": 1.0, "_all_gather_base": 1.0}
+    OPS = {"all_reduce": "all_reduce", "reduce_scatter_tensor": "reduce_scatter",
+           "_reduce_scatter_base": "reduce_scatter", "all_gather_into_tensor": "all_gather",
+           "_all_gather_base": "all_gather"}  # torch.distributed's name -> the collective
 
     def __init__(self) -> None:
         self.nbytes = 0.0
 
     def install(self) -> None:
         import torch.distributed as dist
-        for name, factor in self.FACTORS.items():
+        for name, op in self.OPS.items():
             original = getattr(dist, name, None)
             if original is not None:
-                setattr(dist, name, self._wrap(original, factor, name))
+                setattr(dist, name, self._wrap(original, op))
 
-    def _wrap(self, original, factor: float, name: str):
+    def _wrap(self, original, op: str):
         import torch.distributed as dist
 
         def counted(*args, **kwargs):
@@ -122,7 +125,7 @@ class WireCounter:
                 [kwargs[k] for k in ("tensor", "output_tensor", "input_tensor", "output", "input") if k in kwargs]
             full = max((t.numel() * t.element_size() for t in tensors), default=0)
             world_size = dist.get_world_size(kwargs.get("group"))
-            self.nbytes += factor * full * (world_size - 1) / world_size
+            self.nbytes += full * bus_factor(op, world_size)
             return original(*args, **kwargs)
         return counted
 

@@ -9,6 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .host import usable_cores
 from .ops import DTYPE_CODES, DTYPE_CODES_BY_ID, TORCH_OPS, ReduceOp
 from .work import Work, completed_future
 
@@ -211,5 +212,5 @@ def use_comm_thread(transport_kind: str, world_size: int) -> bool:
     if mode != "auto":
         return mode == "thread"
     local_ranks = world_size if transport_kind == "shm" else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     return cores >= 2 * local_ranks

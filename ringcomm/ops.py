@@ -1,4 +1,6 @@
-"""Reduction ops and dtypes that ringcomm understands, and their C++ codes."""
+"""The codes ringcomm and its C++ agree on: reduction ops, dtypes and the kinds
+of call ranks compare before a collective. Their one home; tests/test_tables.py
+checks csrc/cpu/common.h, csrc/cpu/shm.h and csrc/cuda/reduce.cu against them."""
 from __future__ import annotations
 
 import enum
@@ -31,6 +33,9 @@ DTYPE_CODES: dict[torch.dtype, int] = {
 DTYPE_CODES_BY_ID: dict[int, int] = {id(dtype): code for dtype, code in DTYPE_CODES.items()}
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+# What a rank says it is calling, compared across ranks (shm.h OpKind; torch_dist's call check).
+OP_KINDS: dict[str, int] = {"barrier": 0, "all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "broadcast": 4}
 
 # torch's reduce ops that ringcomm does, most used first; matched by ==, since
 # hashing a torch ReduceOp costs ~1.5 us (a whole lean call's budget).

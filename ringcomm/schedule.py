@@ -39,6 +39,35 @@ class RingStep:
     recv_chunk: int
 
 
+# [Note: ring volume] The one home of each collective's traffic. Over a ring
+# of n ranks, a reduce_scatter or an all_gather of S bytes (the whole tensor)
+# makes every rank send S (n-1)/n; an all_reduce is both phases, 2 S (n-1)/n;
+# a pipelined broadcast forwards all S. nccl-tests' busbw is algbw times the
+# same factor, so a bus bandwidth compares with the link's.
+RING_PHASES = {"reduce_scatter": 1, "all_gather": 1, "all_reduce": 2}
+
+
+def bus_factor(op: str, world_size: int) -> float:
+    """busbw / algbw of `op` on `world_size` ranks (nccl-tests): the bytes one
+    rank sends per byte of the op's size S ([Note: ring volume])."""
+    if op == "broadcast":
+        return 1.0
+    if op not in RING_PHASES:
+        raise ValueError(f"bus_factor: unknown collective {op!r}; expected broadcast or one of {list(RING_PHASES)}")
+    return RING_PHASES[op] * (world_size - 1) / world_size
+
+
+def sent_numel(op: str, numel: int, world_size: int) -> int:
+    """Elements one rank sends in a ring `op` over `numel` elements (the whole
+    tensor); none on one rank ([Note: ring volume])."""
+    if world_size <= 1:
+        return 0
+    if op == "broadcast":
+        return numel
+    bus_factor(op, world_size)  # names an unknown op
+    return RING_PHASES[op] * (numel * (world_size - 1) // world_size)
+
+
 def left(rank: int, world_size: int) -> int:
     return (rank - 1) % world_size
 

@@ -251,15 +251,3 @@ def test_cli_model_and_shapes(capsys) -> None:
                  "--layers", "3", "--heads", "4", "--micro-batch", "2"]) == 0
     out = capsys.readouterr().out
     assert f"{count_model(wide).num_params:.4g} parameters" in out and "checkpointing every block" in out
-
-
-def test_memory_model_imports_only_stdlib() -> None:
-    import ast
-
-    tree = ast.parse(open(os.path.join(ROOT, "zero", "estimate", "memory_model.py")).read())
-    for node in ast.walk(tree):
-        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-            [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
-        for name in names:
-            assert name in ("__future__", "dataclasses", "typing", "math"), f"memory_model imports {name}"
-        assert not (isinstance(node, ast.ImportFrom) and node.level > 0), "memory_model imports a package module"

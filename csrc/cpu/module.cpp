@@ -11,9 +11,11 @@
 
 #include "adam.h"
 #include "module_lean.h"
+#include "process.h"
 #include "reduce.h"
 #include "shm.h"
 #include "shm_map.h"
+#include "shm_plan.h"
 
 namespace py = pybind11;
 using ringcomm::OpDesc;
@@ -69,6 +71,14 @@ PYBIND11_MODULE(_C, m) {
         py::arg("out_dtype"), py::arg("numel"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
         py::arg("weight_decay"), py::arg("step"), py::arg("grad_coef"), py::arg("adamw"), py::arg("num_threads"),
         no_gil);
+
+  m.def("process_state", [](int64_t pid) { return static_cast<int>(ringcomm::process_state(pid)); },
+        "what a process of this host does: an index of ringcomm.host.PROCESS_STATES", py::arg("pid"));
+  // Test-only: the chunk arithmetic of the shared-memory collectives, checked against ringcomm.schedule.
+  m.def("_balanced_chunk", [](int64_t numel, int parts, int index) {
+        const ringcomm::Span span = ringcomm::balanced_chunk(numel, parts, index);
+        return std::make_pair(span.begin, span.numel);
+      }, py::arg("numel"), py::arg("parts"), py::arg("index"));
 
   // Test-only: an op descriptor as a peer writes it into its slot.
   py::class_<OpDesc>(m, "_DebugOpDesc")

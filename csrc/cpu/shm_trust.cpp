@@ -9,34 +9,14 @@
 // offsets against the windows this rank mapped (shm_window.cpp). Each OpDesc
 // is read once into descs_, so a peer rewriting it later changes nothing. A
 // violation breaks the group, as a dead peer does.
-#include <errno.h>
-#include <signal.h>
 #include <sys/stat.h>
-#include <unistd.h>
 
-#include <fstream>
-#include <limits>
 #include <sstream>
 
+#include "process.h"
 #include "shm.h"
 
 namespace ringcomm {
-namespace {
-
-// A process that exited is gone (ESRCH) or a zombie its parent has not reaped.
-bool process_alive(int64_t pid) {
-  if (pid <= 0 || pid > std::numeric_limits<pid_t>::max()) return true;  // not a pid: not judged
-  if (kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) return false;
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  std::string line;
-  if (!std::getline(stat, line)) return true;
-  const auto paren = line.rfind(')');
-  if (paren == std::string::npos || paren + 2 >= line.size()) return true;
-  const char state = line[paren + 2];
-  return state != 'Z' && state != 'X';
-}
-
-}  // namespace
 
 // The pid namespace of this process (0 where /proc does not say): pids of
 // processes in other namespaces (containers sharing /dev/shm) mean nothing here.
@@ -49,7 +29,7 @@ uint64_t own_pid_namespace() {
 // for until the deadline.
 bool ShmComm::peer_exited(int peer) const {
   const RankHeader* theirs = header(peer);
-  return pid_ns_ != 0 && theirs->pid_ns == pid_ns_ && !process_alive(theirs->pid);
+  return pid_ns_ != 0 && theirs->pid_ns == pid_ns_ && process_state(theirs->pid) == ProcessState::kExited;
 }
 
 void ShmComm::fail_flag(int peer, FlagKind kind, uint64_t value, uint64_t limit, const StepInfo& step) {

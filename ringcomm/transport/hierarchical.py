@@ -18,6 +18,7 @@ from . import rendezvous
 from .shm import ShmOptions, ShmTransport
 from .torch_dist import TorchDistOptions, TorchDistTransport
 from .. import ring
+from ..host import usable_cores
 from ..kernels import reduce_into
 from ..ops import LOW_PRECISION, ReduceOp
 
@@ -373,7 +374,7 @@ def _shm_options_for_machine(store: dist.Store, rank: int, world_size: int, time
                         f"{SETUP}: rank {rank} waiting for every rank's machine name")
     here = socket.gethostname()
     on_machine = sum(store.get(f"machine/{r}").decode() == here for r in range(world_size))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     return dataclasses.replace(options, spin_us=0.0) if on_machine > cores else options
 
 

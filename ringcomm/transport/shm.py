@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
+from ..host import usable_cores
+from ..ops import DTYPE_CODES_BY_ID, ReduceOp
 from . import rendezvous
 from .shm_names import expiry_of, new_name, remove_stale_segments
-from ..ops import DTYPE_CODES_BY_ID, ReduceOp
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +60,7 @@ class ShmTransport:
         """Collective over the group's ranks: rendezvous through `store`. Every rank
         that learned the segment's name unlinks it when its set-up ends, however
         it ends ([Note: shm names] in shm_names.py)."""
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cores = usable_cores()
         spin = int(options.spin_us * 1000) if world_size <= cores else 0
         args = (rank, world_size, options.slot_nbytes, options.num_slots, options.oneshot_max_nbytes, spin)
         kwargs = dict(cma_min_nbytes=options.cma_min_nbytes, cma_reduce_min_nbytes=options.cma_reduce_min_nbytes)

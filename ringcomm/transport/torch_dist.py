@@ -15,13 +15,12 @@ import torch
 import torch.distributed as dist
 
 from .. import ring, schedule
+from ..host import process_state
+from ..ops import OP_KINDS, ReduceOp, dtype_code
 from .lifecycle import CallGate
-from .process import process_state
-from ..ops import ReduceOp, dtype_code
 
 EXPLAIN_WAIT_S = 0.5
 EXPLAIN_STORE_S = 2.0
-_KINDS = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "broadcast": 4, "barrier": 0}
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,7 +183,7 @@ class TorchDistTransport:
         if self.world_size == 1 or not (always or self.options.check_calls):
             return
         dtype = dtype_code(tensor.dtype, where=op) if tensor is not None else -1
-        mine = torch.tensor([_KINDS[op], dtype, redop, root, numel], dtype=torch.int64)
+        mine = torch.tensor([OP_KINDS[op], dtype, redop, root, numel], dtype=torch.int64)
         everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
         what = "comparing the call with all ranks"
         self._link.wait(self._link.run(lambda: self.pg.allgather([everyone], [mine]), op, 0, what), op, 0, what)

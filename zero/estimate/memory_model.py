@@ -28,7 +28,9 @@ import math
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-STAGES = (0, 1, 2, 3)
+from ringcomm.schedule import bus_factor
+
+from ..sharding.policy import STAGES, ShardingPolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,10 +61,10 @@ def model_states(num_params: float, world_size: int, stage: int, precision: Prec
         raise ValueError(f"model_states: stage must be one of {STAGES}, got {stage!r}")
     if world_size < 1 or num_params < 0:
         raise ValueError(f"model_states: {world_size=} must be >= 1 and {num_params=} >= 0")
-    p, k, n = precision.param_bytes, precision.optimizer_bytes, world_size
-    params = p * num_params / n + p * resident_params * (1 - 1 / n) if stage == 3 else p * num_params
-    grads = p * num_params / n if stage >= 2 else p * num_params
-    optimizer = k * num_params / n if stage >= 1 else k * num_params
+    policy, p, k, n = ShardingPolicy.for_stage(stage), precision.param_bytes, precision.optimizer_bytes, world_size
+    params = p * num_params / n + p * resident_params * (1 - 1 / n) if policy.shard_params else p * num_params
+    grads = p * num_params / n if policy.shard_grads else p * num_params
+    optimizer = k * num_params / n if policy.shard_optimizer else k * num_params
     return ModelStates(params, grads, optimizer)
 
 
@@ -70,7 +72,7 @@ def comm_elements(num_params: float, world_size: int, stage: int) -> float:
     """Elements each rank sends per step: 2 psi (n-1)/n (all-reduce, or
     reduce-scatter + all-gather), 3 psi (n-1)/n at stage 3 (parameters
     gathered for forward and again for backward)."""
-    return (3 if stage == 3 else 2) * num_params * (world_size - 1) / world_size
+    return ShardingPolicy.for_stage(stage).ring_phases * num_params * bus_factor("all_gather", world_size)
 
 
 def reduction_factor(world_size: int, stage: int) -> float:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 
 from ringcomm import _C
+from ringcomm.ops import DTYPE_CODES, LOW_PRECISION
 
-DTYPE_CODES = {torch.bfloat16: 2, torch.float16: 3}  # csrc/cpu/common.h DType
+OUT_DTYPES = LOW_PRECISION  # the 16-bit parameter copies the fused step writes
 
 
 def applies(optimizer: torch.optim.Optimizer) -> bool:

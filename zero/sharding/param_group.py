@@ -301,7 +301,7 @@ class ParamGroup:
         outputs = {}
         for bucket in self.buckets:
             target = self.publish_target(bucket)
-            if target.dtype in host_adam.DTYPE_CODES and target.device.type == "cpu":
+            if target.dtype in host_adam.OUT_DTYPES and target.device.type == "cpu":
                 for view, begin, end in bucket.master_views:
                     outputs[id(view)] = target[begin:end]
         return outputs

@@ -1,6 +1,6 @@
-"""Pure rules of ZeRO sharding: what a stage shards (ShardingPolicy) and the
-ring volume of each collective. The buckets themselves are planned by
-ringcomm.layout. Standard library only."""
+"""Pure rules of ZeRO sharding, the stage table: what each stage shards
+(ShardingPolicy) and how many ring phases a step's traffic takes. The buckets
+themselves are planned by ringcomm.layout. Standard library only."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,15 +26,10 @@ class ShardingPolicy:
     def stage(self) -> int:
         return int(self.shard_optimizer) + int(self.shard_grads) + int(self.shard_params)
 
-
-def wire_numel(kind: str, numel: int, world_size: int) -> int:
-    """Elements one rank sends for a ring collective over `numel` elements
-    (all_reduce = reduce-scatter + all-gather)."""
-    if world_size <= 1:
-        return 0
-    per_phase = numel * (world_size - 1) // world_size
-    if kind == "all_reduce":
-        return 2 * per_phase
-    if kind in ("reduce_scatter", "all_gather", "broadcast"):
-        return per_phase if kind != "broadcast" else numel
-    raise ValueError(f"wire_numel: unknown collective {kind!r}")
+    @property
+    def ring_phases(self) -> int:
+        """Ring phases of one step's traffic ([Note: ring volume] in
+        ringcomm/schedule.py): the gradients' reduce-scatter and the
+        parameters' all-gather (stage 0's all_reduce is both), the all-gather
+        twice at stage 3 (for forward, and again for backward)."""
+        return 3 if self.shard_params else 2

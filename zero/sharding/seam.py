@@ -9,9 +9,8 @@ import torch
 import torch.distributed as dist
 
 import ringcomm
+from ringcomm.schedule import sent_numel
 from ringcomm.work import completed_future
-
-from .policy import wire_numel
 
 BACKENDS = ("ringcomm", "torch")
 
@@ -48,7 +47,7 @@ class Comm:
 
     def count(self, kind: str, tensor: torch.Tensor) -> None:
         """Adds the ring volume this rank sends for `kind` over `tensor` (full size)."""
-        self.sent_nbytes += wire_numel(kind, tensor.numel(), self.world_size) * tensor.element_size()
+        self.sent_nbytes += sent_numel(kind, tensor.numel(), self.world_size) * tensor.element_size()
 
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = False) -> Handle:
         """Sum in place."""
