@@ -83,9 +83,18 @@ def truncate(path: str, numel: int | None = None) -> None:
 
 def plant_payload(directory: str, marker: str) -> None:
     """engine_state.pt with a payload in client_state, and a manifest that vouches for it."""
+    rewrite_state(directory, lambda state: state.update(client_state={"epoch": Payload(marker)}))
+
+
+def plant_hyperparameter(directory: str) -> None:
+    """A learning rate that is a string, and a key the optimizer does not have, vouched for."""
+    rewrite_state(directory, lambda state: state["param_groups"][0].update(lr="0.1", rogue=1))
+
+
+def rewrite_state(directory: str, change) -> None:
     path = os.path.join(directory, ENGINE_STATE)
     state = torch.load(path, weights_only=True)
-    state["client_state"] = {"epoch": Payload(marker)}
+    change(state)
     torch.save(state, path)
     manifest = json.load(open(os.path.join(directory, MANIFEST)))
     manifest["files"][ENGINE_STATE] = {"nbytes": os.path.getsize(path), "crc32": f"{file_crc32(path):08x}"}
@@ -113,6 +122,7 @@ CASES = {
     "manifest_missing": (lambda d: os.remove(os.path.join(d, MANIFEST)), [MANIFEST, "missing"]),
     "deepspeed": (deepspeed_layout, ["mp_rank_00_model_states.pt", "unreadable"]),
     "payload": (None, [ENGINE_STATE, "refused", "mkdir"]),  # made in the worker: the marker's path
+    "hyperparameter": (plant_hyperparameter, [ENGINE_STATE, "param group 0", "lr is '0.1'", "float"]),
 }
 FOREIGN = {"other_model": ["engine_state.pt", "missing parameters", "blocks.0.fc1.weight"],
            "other_shapes": ["engine_state.pt", "embed.weight", "(40, 16)"]}

@@ -142,7 +142,8 @@ def seed_config_worker(rank: int, world_size: int) -> None:
             engine, *_ = zero.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
                                          config=SEED_CONFIG, args={"per_device_train_batch_size": 2, "fp16": True})
         assert checkpointing.is_configured(), f"rank {rank}: the config's section configures checkpointing"
-        options = checkpointing._runtime.options.store
+        assert checkpointing.current() is engine.parts.activation, "the engine's checkpointing is not the current one"
+        options = engine.parts.activation.options.store
         assert options.partition and options.cpu and options.contiguous and options.num_slots == 4, options
         if checkpointed:
             checkpointing.checkpoint_modules(model, DropoutBlock)
@@ -156,7 +157,7 @@ def seed_config_worker(rank: int, world_size: int) -> None:
             engine.step()
             losses[checkpointed].append(loss.item())
         if checkpointed:
-            slots = checkpointing._runtime.stores[torch.device("cpu")].slots
+            slots = engine.parts.activation.stores[torch.device("cpu")].slots
             assert slots.nbytes == 4 * 2 * 8 * 16 * 2, f"rank {rank}: 4 fp16 slots of one block input: {slots.nbytes}"
             assert engine.memory_report().checkpoint_nbytes == 3 * 2 * 8 * 16 * 2
     assert losses[True] == losses[False], f"rank {rank}: {losses}"
@@ -164,6 +165,43 @@ def seed_config_worker(rank: int, world_size: int) -> None:
 
 def test_seed_stage3_config_honours_its_section() -> None:
     run_ranks(seed_config_worker, 2, timeout=120)
+
+
+def two_engines_worker(rank: int, world_size: int) -> None:
+    """Two engines, one with cpu_checkpointing and one keeping inputs where they
+    are, trained in turns: each holds its own inputs, store and stats, and a
+    configure() after the second engine's build reaches that one only."""
+    checkpointing.reset()
+    engines, models = [], []
+    for section in ({"cpu_checkpointing": True}, {}):
+        model = make_model()
+        checkpointing.checkpoint_modules(model, DropoutBlock)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            engines.append(zero.initialize(model=model, config=config(1, section))[0])
+        models.append(model)
+    first, second = (engine.parts.activation for engine in engines)
+    assert first is not second and checkpointing.current() is second
+    checkpointing.configure(None, profile=True)
+    assert second.options.profile and not first.options.profile and first.options.store.cpu
+    tokens, target = torch.randint(0, 32, (3, 8)), torch.randint(0, 32, (3, 8))
+    for step in range(2):
+        for engine in engines:
+            engine.parts.activation.stats.reset()
+            loss = nn.functional.cross_entropy(engine(tokens).reshape(-1, 32), target.reshape(-1))
+            engine.backward(loss)
+            engine.step()
+            assert engine.memory_report().checkpoint_nbytes == 3 * 3 * 8 * 16 * 4, f"step {step}"
+    assert set(first.stores) == set(second.stores) == {torch.device("cpu")}
+    assert first.stores[torch.device("cpu")].options.cpu and not second.stores[torch.device("cpu")].options.cpu
+    assert first.stats.held_nbytes == second.stats.held_nbytes == 0, "a frame released into the other's stats"
+    for engine in engines:
+        engine.destroy()
+    checkpointing.reset()
+
+
+def test_each_engine_owns_its_checkpointing() -> None:
+    run_ranks(two_engines_worker, 1, timeout=120)
 
 
 def test_twelve_layer_peak_with_checkpointing() -> None:

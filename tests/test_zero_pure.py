@@ -187,3 +187,17 @@ def test_every_key_without_effect_is_documented() -> None:
     docs = open(os.path.join(os.path.dirname(__file__), "..", "docs", "zero.md")).read()
     missing = [key for key in NO_EFFECT if f"`{key}`" not in docs]
     assert not missing, f"docs/zero.md does not list {missing}"
+
+
+def test_progress_round_trips_to_an_accumulation_boundary() -> None:
+    """Progress.state_dict() / load_state_dict(): the counters come back, and
+    micro_steps restarts at the boundary in the loading engine's accumulation."""
+    from zero.runtime.engine import Progress
+
+    saved = Progress(accumulation_steps=2, global_steps=5, global_samples=40, micro_steps=11, skipped_steps=1)
+    for accumulation in (2, 4):
+        resumed = Progress(accumulation_steps=accumulation)
+        resumed.load_state_dict(saved.state_dict())
+        assert (resumed.global_steps, resumed.global_samples, resumed.skipped_steps) == (5, 40, 1)
+        assert resumed.micro_steps == 5 * accumulation
+    assert saved.state_dict() == {"global_steps": 5, "global_samples": 40, "micro_steps": 11, "skipped_steps": 1}

@@ -14,12 +14,21 @@ The graph is the forward's own, so gradient hooks (bucket reduction, stage-3
 gathering) fire as without checkpointing and in the same order: the
 arithmetic is the same, only the saved values are produced twice.
 
-The configuration is process-wide, as DeepSpeed's: `configure` sets it for
-every later `checkpoint` call.
+[Note: whose checkpointing]
+The state (options, stores, the running step's frames, stats) is an
+ActivationCheckpointing. An engine whose config has an activation_checkpointing
+section owns one, made current when the engine is built (as
+deepspeed.initialize configures checkpointing), and active while its module
+runs forward, so two engines never share a store, a frame or a stat; a frame
+keeps the one it was made under for its recomputation in backward. The
+module-level API (configure, checkpoint, stats, is_configured) acts on the
+active one, else the current one: `configure(mpu, ...)` after initialize, as
+Megatron calls it, reconfigures that engine's.
 """
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import logging
 import time
@@ -70,8 +79,9 @@ class Options:
     profile: bool = False
 
 
-class _Runtime:
-    """The process-wide configuration and the frames of the running step."""
+class ActivationCheckpointing:
+    """One configuration's state: its options, stores, the frames of the
+    running step and its stats ([Note: whose checkpointing])."""
 
     def __init__(self) -> None:
         self.configured = False
@@ -80,6 +90,10 @@ class _Runtime:
         self.stores: dict[torch.device, ActivationStore] = {}
         self.frames: list[weakref.ref] = []  # forward order, for the prefetch
         self.stats = ActivationStats()
+
+    def configure(self, options: Options, mpu: object | None) -> None:
+        """New options (and model-parallel group); the stores are made anew for them."""
+        self.options, self.mpu, self.stores, self.configured = options, mpu, {}, True
 
     def store(self, device: torch.device) -> ActivationStore:
         if device not in self.stores:
@@ -102,7 +116,24 @@ class _Runtime:
                 return
 
 
-_runtime = _Runtime()
+_current = ActivationCheckpointing()
+_active: contextvars.ContextVar[ActivationCheckpointing | None] = contextvars.ContextVar("zero_checkpointing",
+                                                                                       default=None)
+
+
+def current() -> ActivationCheckpointing:
+    """The active engine's checkpointing, else the current one ([Note: whose checkpointing])."""
+    return _active.get() or _current
+
+
+@contextlib.contextmanager
+def active(owner: ActivationCheckpointing):
+    """`checkpoint` calls inside use `owner` (an engine's forward)."""
+    token = _active.set(owner)
+    try:
+        yield
+    finally:
+        _active.reset(token)
 
 
 def _storage_nbytes(tensor: torch.Tensor, seen: dict[int, int]) -> int:
@@ -132,14 +163,15 @@ class _Frame:
     """One checkpoint call: its held inputs, RNG state, and (in backward) the
     tensors its recomputation saved, by pack index."""
 
-    def __init__(self, recompute: Callable, args: list, held: dict[int, Held], store: ActivationStore,
-                 rng: tuple) -> None:
+    def __init__(self, owner: ActivationCheckpointing, recompute: Callable, args: list, held: dict[int, Held],
+                 store: ActivationStore, rng: tuple) -> None:
+        self.owner = owner
         self.recompute_fn = recompute
         self.args = args  # non-tensor and non-floating arguments as given; held ones are None
         self.held = held
         self.store = store
         self.rng = rng
-        self.stats = _runtime.stats
+        self.stats = owner.stats
         self.num_packed = 0
         self.saved: list | None = None
         self.seen: dict[int, int] = {}
@@ -164,7 +196,7 @@ class _Frame:
         return tensor
 
     def _recompute(self) -> None:
-        _runtime.prefetch_before(self)
+        self.owner.prefetch_before(self)
         args = list(self.args)
         for position, held in self.held.items():
             nbytes, self.stats.num_prefetched = held.nbytes, self.stats.num_prefetched + (held.handle is not None)
@@ -180,7 +212,7 @@ class _Frame:
         def never(_: None) -> torch.Tensor:
             raise RuntimeError("zero.checkpointing: the recomputed graph is not meant for backward")
 
-        with _boundary("recompute"), _restored_rng(self.rng, args), torch.enable_grad(), \
+        with _boundary("recompute", self.owner.options), _restored_rng(self.rng, args), torch.enable_grad(), \
                 torch.autograd.graph.saved_tensors_hooks(keep, never):
             self.recompute_fn(*args)
         if len(self.saved) != self.num_packed:
@@ -203,9 +235,8 @@ def _unpack(token: tuple[_Frame, int]) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _boundary(what: str):
+def _boundary(what: str, options: Options):
     """synchronize_checkpoint_boundary and profile around a forward or a recompute."""
-    options = _runtime.options
     if options.synchronize and torch.cuda.is_available():
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -244,17 +275,18 @@ def _checkpoint(forward: Callable, recompute: Callable, args: tuple):
         return forward(*args)
     tensors = {i: a for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()}
     device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
-    store = _runtime.store(device)
+    owner = current()
+    store = owner.store(device)
     rng = _rng_state(list(args))
     held = {}
     for position, tensor in tensors.items():
         held[position] = store.hold(position, tensor)
-        _runtime.stats.add("held_nbytes", held[position].nbytes)
+        owner.stats.add("held_nbytes", held[position].nbytes)
     kept = [None if i in tensors else a for i, a in enumerate(args)]
-    frame = _Frame(recompute, kept, held, store, rng)
-    weakref.finalize(frame, _release, held, store, _runtime.stats)
-    _runtime.add_frame(frame)
-    with _boundary("forward"), torch.autograd.graph.saved_tensors_hooks(frame.pack, _unpack):
+    frame = _Frame(owner, recompute, kept, held, store, rng)
+    weakref.finalize(frame, _release, held, store, owner.stats)
+    owner.add_frame(frame)
+    with _boundary("forward", owner.options), torch.autograd.graph.saved_tensors_hooks(frame.pack, _unpack):
         return forward(*args)
 
 
@@ -271,9 +303,10 @@ def configure(mpu_: object | None = None, deepspeed_config: str | dict | None = 
               partition_activations: bool | None = None, contiguous_checkpointing: bool | None = None,
               num_checkpoints: int | None = None, checkpoint_in_cpu: bool | None = None,
               synchronize: bool | None = None, profile: bool | None = None) -> None:
-    """deepspeed.checkpointing.configure: the config's activation_checkpointing
-    section, then the keyword overrides. `mpu_` names the model-parallel group
-    that partition_activations splits across (store.py's Note)."""
+    """deepspeed.checkpointing.configure, of the current checkpointing ([Note:
+    whose checkpointing]): the config's activation_checkpointing section, then
+    the keyword overrides. `mpu_` names the model-parallel group that
+    partition_activations splits across (store.py's Note)."""
     section = {}
     if deepspeed_config is not None:
         section = config_mod.load(deepspeed_config).get("activation_checkpointing") or {}
@@ -282,17 +315,19 @@ def configure(mpu_: object | None = None, deepspeed_config: str | dict | None = 
                  "cpu_checkpointing": checkpoint_in_cpu, "synchronize_checkpoint_boundary": synchronize,
                  "profile": profile}
     section = {**section, **{k: v for k, v in overrides.items() if v is not None}}
-    _runtime.options = options_from(config_mod.activation_checkpointing(section))
-    _runtime.mpu = mpu_
-    _runtime.stores = {}
-    _runtime.configured = True
+    current().configure(options_from(config_mod.activation_checkpointing(section)), mpu_)
 
 
-def configure_from(section: dict | None, mpu: object | None = None) -> None:
-    """The engine's start: configure from a parsed activation_checkpointing
-    section; without one, whatever was configured stays."""
-    if section is not None:
-        configure(mpu, {"activation_checkpointing": section})
+def for_engine(section: dict | None) -> ActivationCheckpointing | None:
+    """An engine's own checkpointing from its config's parsed
+    activation_checkpointing section, made current; None without a section
+    (the engine then uses whichever is current)."""
+    global _current
+    if section is None:
+        return None
+    _current = ActivationCheckpointing()
+    _current.configure(options_from(section), None)
+    return _current
 
 
 def options_from(section: dict) -> Options:
@@ -310,17 +345,17 @@ def options_from(section: dict) -> Options:
 
 
 def is_configured() -> bool:
-    return _runtime.configured
+    return current().configured
 
 
 def reset() -> None:
-    """Back to the unconfigured defaults (drops preallocated buffers)."""
-    global _runtime
-    _runtime = _Runtime()
+    """A new, unconfigured current checkpointing (an engine keeps its own)."""
+    global _current
+    _current = ActivationCheckpointing()
 
 
 def stats() -> ActivationStats:
-    return _runtime.stats
+    return current().stats
 
 
 def checkpoint_modules(model: nn.Module, select: type | tuple[type, ...] | Callable[[str, nn.Module], bool]) -> int:
@@ -354,21 +389,22 @@ class measure:
     excepted) into stats(): `with checkpointing.measure() as s: ...; s.peak_nbytes`."""
 
     def __init__(self) -> None:
+        self.stats = current().stats
         self.seen: dict[int, int] = {}
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        _runtime.stats.add("saved_nbytes", _storage_nbytes(tensor, self.seen))
+        self.stats.add("saved_nbytes", _storage_nbytes(tensor, self.seen))
         return tensor
 
     def _unpack(self, tensor: torch.Tensor) -> torch.Tensor:
-        _runtime.stats.add("saved_nbytes", -_forget(tensor, self.seen))
+        self.stats.add("saved_nbytes", -_forget(tensor, self.seen))
         return tensor
 
     def __enter__(self) -> ActivationStats:
-        _runtime.stats.reset()
+        self.stats.reset()
         self.hooks.__enter__()
-        return _runtime.stats
+        return self.stats
 
     def __exit__(self, *exc) -> None:
         self.hooks.__exit__(*exc)

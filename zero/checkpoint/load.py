@@ -130,6 +130,8 @@ def check_engine(engine, where: str, directory: str, state: dict, options: LoadO
     if options.optimizer_states and len(state["param_groups"]) != len(engine.optimizer.param_groups):
         raise ValueError(f"{where}: {len(state['param_groups'])} optimizer param groups, this engine "
                          f"{len(engine.optimizer.param_groups)}")
+    if options.optimizer_states:
+        check_hyperparameters(engine.optimizer, where, state["param_groups"])
     check_params(engine, where, state["params"], strict=options.strict)
     scheduler = engine.lr_scheduler
     if restores_scheduler(engine, state, options):
@@ -139,6 +141,34 @@ def check_engine(engine, where: str, directory: str, state: dict, options: LoadO
                              f"{type(scheduler).__name__} {sorted(own)}: another kind of scheduler")
     if not options.module_only:
         warn_mid_accumulation(directory, state)
+
+
+def check_hyperparameters(optimizer: torch.optim.Optimizer, where: str, saved: list[dict]) -> None:
+    """The saved optimizer hyperparameters are values of the kinds this
+    optimizer's groups hold; keys it does not have are not applied (warned)."""
+    unknown = set()
+    for g, (own, theirs) in enumerate(zip(optimizer.param_groups, saved)):
+        for key, value in theirs.items():
+            if key not in own or key == "params":
+                unknown.add(key)
+            elif not same_kind(own[key], value):
+                raise ValueError(f"{where}: optimizer param group {g}: {key} is {value!r}, this optimizer holds "
+                                 f"a {type(own[key]).__name__} ({own[key]!r})")
+    if unknown:
+        log.warning(f"zero: {where}: optimizer hyperparameters {sorted(unknown)} are not this optimizer's; not applied")
+
+
+def same_kind(own: object, saved: object) -> bool:
+    """Numbers for numbers (an int lr for a float one), bools for bools, sequences element by element."""
+    if own is None:  # torch's "not set" (foreach, fused)
+        return saved is None or isinstance(saved, bool)
+    if isinstance(own, bool):
+        return isinstance(saved, bool)
+    if isinstance(own, (int, float)):
+        return isinstance(saved, (int, float)) and not isinstance(saved, bool)
+    if isinstance(own, (tuple, list)):
+        return isinstance(saved, (tuple, list)) and len(saved) == len(own) and all(map(same_kind, own, saved))
+    return type(saved) is type(own)
 
 
 def check_params(engine, where: str, saved: dict[str, tuple[int, ...]], *, strict: bool) -> None:
@@ -240,17 +270,13 @@ def apply(engine, staged: Staged, options: LoadOptions) -> None:
             module_state[key].copy_(value)
     if options.optimizer_states:
         for group, hyper in zip(engine.optimizer.param_groups, state["param_groups"]):
-            group.update(hyper)
+            group.update({key: value for key, value in hyper.items() if key in group and key != "params"})
     if not options.module_only:
         if staged.scaler:
             engine.parts.scaler.load_state_dict(state["scaler"])
         if restores_scheduler(engine, state, options):
             engine.lr_scheduler.load_state_dict(state["scheduler"])
-        counters = state["counters"]
-        engine.global_steps = counters["global_steps"]
-        engine.global_samples = counters["global_samples"]
-        engine.skipped_steps = counters["skipped_steps"]
-        engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()  # a boundary
+        engine.progress.load_state_dict(state["counters"])
     engine.parts.group.publish_masters()
     engine.parts.group.zero_grads()
 

@@ -46,14 +46,10 @@ phase_hook: Callable[[str, int], None] = lambda phase, rank: None  # tests kill 
 def master_slices(engine) -> list[tuple[NamedShard, torch.Tensor]]:
     """Every fp32 master slice this rank updates (the optimizer's parameters),
     named; the shard's tensors are left empty."""
-    group, names = engine.parts.group, engine.parts.param_names
+    names = engine.parts.param_names
     group_of = {id(p): g for g, pg in enumerate(engine.optimizer.param_groups) for p in pg["params"]}
-    out = []
-    for bucket in group.buckets:
-        slices = bucket.layout.local_slices(bucket.span.index, bucket.owned)
-        for (view, _, _), (index, _, local) in zip(bucket.master_views, slices, strict=True):
-            out.append((NamedShard(names[index], local.begin, local.numel, group_of.get(id(view))), view))
-    return out
+    return [(NamedShard(names[index], local.begin, local.numel, group_of.get(id(view))), view)
+            for index, local, view in engine.parts.group.master_slices()]
 
 
 def named_shards(engine) -> list[NamedShard]:
@@ -94,8 +90,7 @@ def engine_state(engine, client_state: dict | None) -> dict:
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups],
         "layout": batch_layout(engine), "scaler": engine.parts.scaler.state_dict(),
         "scheduler": scheduler.state_dict() if scheduler is not None and hasattr(scheduler, "state_dict") else None,
-        "counters": {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
-                     "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps},
+        "counters": engine.progress.state_dict(),
         "client_state": client_state or {},
         "deepspeed": deepspeed_facts(engine),
     }
@@ -128,7 +123,7 @@ def batch_layout(engine) -> dict[str, int]:
 def param_shapes(engine) -> dict[str, tuple[int, ...]]:
     """Every trainable parameter's shape, by name (stage 3 parameters are empty between uses)."""
     names = engine.parts.param_names
-    return {names[i]: tuple(shape) for b in engine.parts.group.buckets for i, shape in zip(b.indices, b.shapes)}
+    return {names[index]: shape for index, shape in engine.parts.group.param_shapes().items()}
 
 
 def state_dict_keys(engine) -> list[tuple[str, str | None]]:

@@ -127,7 +127,7 @@ def build_engine(model: nn.Module, optimizer=None, model_parameters=None, lr_sch
     comm_mod.init_distributed()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     cfg = config_mod.parse(config if config is not None else {}, model_facts(model, world_size, args))
-    checkpointing.configure_from(cfg.activation_checkpointing)
+    activation = checkpointing.for_engine(cfg.activation_checkpointing)
     dtype = DTYPES[cfg.dtype]
     model.to(dtype)
     params = trainable_params(model)
@@ -151,4 +151,4 @@ def build_engine(model: nn.Module, optimizer=None, model_parameters=None, lr_sch
     scaler = make_scaler(dtype, cfg.scaler)
     names = {id(p): name for name, p in model.named_parameters()}
     return ZeroEngine(EngineParts(model, optimizer, scheduler, cfg, group, gatherer, scaler, comm, dtype,
-                                  [names[id(p)] for p in params], params))
+                                  [names[id(p)] for p in params], params, activation))

@@ -40,6 +40,36 @@ class EngineParts:
     dtype: torch.dtype
     param_names: list[str]
     trainable: list  # the trainable parameters, in the buckets' parameter-index order
+    activation: checkpointing.ActivationCheckpointing | None  # its own, from the config's section; else None
+
+
+@dataclass(slots=True)
+class Progress:
+    """Where training stands, counted as DeepSpeed counts it. A resume starts
+    at an accumulation boundary: micro_steps is re-derived from global_steps in
+    this engine's accumulation ([Note: what a resume restores] in
+    zero/checkpoint/load.py)."""
+
+    accumulation_steps: int
+    global_steps: int = 0
+    global_samples: int = 0
+    micro_steps: int = 0
+    skipped_steps: int = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"global_steps": self.global_steps, "global_samples": self.global_samples,
+                "micro_steps": self.micro_steps, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.global_steps, self.global_samples = int(state["global_steps"]), int(state["global_samples"])
+        self.skipped_steps = int(state["skipped_steps"])
+        self.micro_steps = self.global_steps * self.accumulation_steps
+
+
+def _progress(name: str) -> property:
+    """engine.<name>, DeepSpeed's attribute, kept in engine.progress."""
+    return property(lambda self: getattr(self.progress, name), lambda self, value: setattr(self.progress, name, value),
+                    doc=f"engine.progress.{name}")
 
 
 class ZeroEngine:
@@ -51,10 +81,7 @@ class ZeroEngine:
         self.optimizer = parts.optimizer
         self.lr_scheduler = parts.scheduler
         self.config = parts.config
-        self.global_steps = 0
-        self.global_samples = 0
-        self.micro_steps = 0
-        self.skipped_steps = 0
+        self.progress = Progress(parts.config.gradient_accumulation_steps)
         self.world_size = parts.comm.world_size
         self.global_rank = parts.comm.rank
         buckets = parts.group.buckets
@@ -64,6 +91,11 @@ class ZeroEngine:
         self._global_grad_norm: float | None = None
         self._step_applied = False
         self._destroyed = False
+
+    global_steps = _progress("global_steps")
+    global_samples = _progress("global_samples")
+    micro_steps = _progress("micro_steps")
+    skipped_steps = _progress("skipped_steps")
 
     # ---- DeepSpeed surface ---------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -77,10 +109,12 @@ class ZeroEngine:
         def cast(x):
             return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
         args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
-        if gatherer is None:
-            return self.module(*args, **kwargs)
-        gatherer.start_forward()
-        with gatherer.saved_weights():
+        with contextlib.ExitStack() as scope:
+            if self.parts.activation is not None:
+                scope.enter_context(checkpointing.active(self.parts.activation))
+            if gatherer is not None:
+                gatherer.start_forward()
+                scope.enter_context(gatherer.saved_weights())
             return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
@@ -233,7 +267,8 @@ class ZeroEngine:
         the peak of checkpointed inputs held since stats().reset()."""
         gatherer = self.parts.gatherer
         report = memory_report(self.parts.group, self.optimizer, gatherer.peak_live_nbytes if gatherer else 0)
-        return replace(report, checkpoint_nbytes=checkpointing.stats().peak_held_nbytes)
+        activation = self.parts.activation or checkpointing.current()
+        return replace(report, checkpoint_nbytes=activation.stats.peak_held_nbytes)
 
     def full_params_fp32(self) -> list[torch.Tensor]:
         """Every trainable parameter's fp32 master, whole (a collective)."""

@@ -232,6 +232,20 @@ class ParamGroup:
                 out.append((index, bucket.master_views[-1][0]))
         return out
 
+    def master_slices(self) -> list[tuple[int, Span, torch.Tensor]]:
+        """Every fp32 master slice this rank updates (the optimizer's
+        parameters): (parameter index, its elements of that parameter, view)."""
+        out = []
+        for bucket in self.buckets:
+            slices = bucket.layout.local_slices(bucket.span.index, bucket.owned)
+            for (view, _, _), (index, _, in_param) in zip(bucket.master_views, slices, strict=True):
+                out.append((index, in_param, view))
+        return out
+
+    def param_shapes(self) -> dict[int, tuple[int, ...]]:
+        """Every parameter's whole shape, by parameter index (stage-3 parameters are empty between uses)."""
+        return {index: tuple(shape) for b in self.buckets for index, shape in zip(b.indices, b.shapes)}
+
     def make_master(self, bucket: ZeroBucket, source: torch.Tensor) -> torch.Tensor:
         """The fp32 master of `source` (the owned values): on the model's device,
         the values themselves when they are fp32. Offload places it elsewhere."""
