@@ -1,4 +1,4 @@
 """Activation checkpointing, DeepSpeed's `deepspeed.checkpointing`:
-recomputation from saved-tensor hooks (checkpointing.py) and where the
-checkpointed inputs are held: on the device, on the host, partitioned or in
-preallocated slots (store.py)."""
+recomputation from saved-tensor hooks and whose state it runs on
+(checkpointing.py), what it holds (stats.py) and where the checkpointed inputs
+wait: on the device, on the host, partitioned or in preallocated slots (store.py)."""

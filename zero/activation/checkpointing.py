@@ -40,36 +40,10 @@ import torch
 from torch import nn
 
 from ..runtime import config as config_mod
+from .stats import ActivationStats, forget, storage_nbytes
 from .store import ActivationStore, Held, StoreOptions, partition_comm
 
 log = logging.getLogger("zero")
-
-
-@dataclass(slots=True)
-class ActivationStats:
-    """Activation bytes this rank holds, as the saved-tensor hooks see them:
-    checkpointed inputs (`held`), tensors a recomputation saved and backward has
-    not used yet (`recomputed`), and, inside `measure()`, every other saved
-    tensor (`saved`). Peaks since the last reset()."""
-
-    held_nbytes: int = 0
-    recomputed_nbytes: int = 0
-    saved_nbytes: int = 0
-    peak_held_nbytes: int = 0
-    peak_nbytes: int = 0
-    num_prefetched: int = 0  # partitioned inputs whose gather started before their recomputation
-
-    def add(self, kind: str, nbytes: int) -> None:
-        setattr(self, kind, getattr(self, kind) + nbytes)
-        self.peak_held_nbytes = max(self.peak_held_nbytes, self.held_nbytes)
-        self.peak_nbytes = max(self.peak_nbytes, self.held_nbytes + self.recomputed_nbytes + self.saved_nbytes)
-
-    def reset(self) -> None:
-        self.peak_held_nbytes, self.peak_nbytes = self.held_nbytes, self.live_nbytes
-
-    @property
-    def live_nbytes(self) -> int:
-        return self.held_nbytes + self.recomputed_nbytes + self.saved_nbytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,29 +110,6 @@ def active(owner: ActivationCheckpointing):
         _active.reset(token)
 
 
-def _storage_nbytes(tensor: torch.Tensor, seen: dict[int, int]) -> int:
-    """Bytes a saved tensor adds: 0 for parameters (model states) and for a
-    storage already counted in `seen` (ptr -> references)."""
-    base = tensor if tensor._base is None else tensor._base
-    if base.is_leaf and base.requires_grad:
-        return 0
-    storage = tensor.untyped_storage()
-    ptr = storage.data_ptr()
-    seen[ptr] = seen.get(ptr, 0) + 1
-    return storage.nbytes() if seen[ptr] == 1 else 0
-
-
-def _forget(tensor: torch.Tensor, seen: dict[int, int]) -> int:
-    ptr = tensor.untyped_storage().data_ptr()
-    if ptr not in seen:
-        return 0
-    seen[ptr] -= 1
-    if seen[ptr]:
-        return 0
-    del seen[ptr]
-    return tensor.untyped_storage().nbytes()
-
-
 class _Frame:
     """One checkpoint call: its held inputs, RNG state, and (in backward) the
     tensors its recomputation saved, by pack index."""
@@ -192,7 +143,7 @@ class _Frame:
             raise RuntimeError("zero.checkpointing: a saved tensor was used twice (backward through a "
                                "checkpointed graph a second time, or torch.autograd.grad); not supported")
         self.saved[index] = None
-        self.stats.add("recomputed_nbytes", -_forget(tensor, self.seen))
+        self.stats.add("recomputed_nbytes", -forget(tensor, self.seen))
         return tensor
 
     def _recompute(self) -> None:
@@ -207,7 +158,7 @@ class _Frame:
 
         def keep(tensor: torch.Tensor) -> None:
             self.saved.append(tensor.detach())
-            self.stats.add("recomputed_nbytes", _storage_nbytes(tensor, self.seen))
+            self.stats.add("recomputed_nbytes", storage_nbytes(tensor, self.seen))
 
         def never(_: None) -> torch.Tensor:
             raise RuntimeError("zero.checkpointing: the recomputed graph is not meant for backward")
@@ -394,11 +345,11 @@ class measure:
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.stats.add("saved_nbytes", _storage_nbytes(tensor, self.seen))
+        self.stats.add("saved_nbytes", storage_nbytes(tensor, self.seen))
         return tensor
 
     def _unpack(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.stats.add("saved_nbytes", -_forget(tensor, self.seen))
+        self.stats.add("saved_nbytes", -forget(tensor, self.seen))
         return tensor
 
     def __enter__(self) -> ActivationStats:
