@@ -103,15 +103,17 @@ class AioOptions:
 
 @dataclass(frozen=True, slots=True)
 class ZeroOptions:
-    stage: int = 0
-    reduce_bucket_size: int = 500_000_000
-    overlap_comm: bool = True
-    prefetch_bucket_size: int = 50_000_000
-    param_persistence_threshold: int = 100_000
-    max_live_parameters: int = 1_000_000_000
-    sub_group_size: int = 1_000_000_000
+    """zero_optimization, as the engine reads it (bounds checked in _zero)."""
+
+    stage: int = 0  # 0-3: what is sharded (sharding/policy.py)
+    reduce_bucket_size: int = 500_000_000  # >= 1 elements per gradient bucket
+    overlap_comm: bool = True  # reductions run while backward goes on
+    prefetch_bucket_size: int = 50_000_000  # >= 0 stage-3 elements gathered ahead of use
+    param_persistence_threshold: int = 100_000  # >= 0: stage-3 parameters this small stay whole
+    max_live_parameters: int = 1_000_000_000  # >= 0 stage-3 elements gathered at once
+    sub_group_size: int = 1_000_000_000  # >= 1 elements per NVMe optimizer sub-group
     offload_optimizer: str = "none"  # the device of offload_optimizer_options, for a quick test
-    offload_param: str = "none"
+    offload_param: str = "none"  # the device of offload_param_options
     offload_optimizer_options: OffloadOptions = field(default_factory=OffloadOptions)
     offload_param_options: OffloadOptions = field(default_factory=lambda: OffloadOptions(buffer_count=5))
 
@@ -122,18 +124,20 @@ class ZeroOptions:
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    train_batch_size: int
-    micro_batch_size: int
-    gradient_accumulation_steps: int
-    gradient_clipping: float
-    dtype: str
-    scaler: ScalerOptions
+    """A whole DeepSpeed config, parsed and resolved ("auto" filled in)."""
+
+    train_batch_size: int  # micro batch x accumulation x world size, checked
+    micro_batch_size: int  # >= 1, train_micro_batch_size_per_gpu
+    gradient_accumulation_steps: int  # >= 1
+    gradient_clipping: float  # >= 0; 0: no clipping
+    dtype: str  # "float32" | "float16" | "bfloat16" (fp16 / bf16 sections)
+    scaler: ScalerOptions  # fp16's loss scaling (precision.py)
     zero: ZeroOptions
-    optimizer: dict | None = None
-    scheduler: dict | None = None
-    allow_untested_optimizer: bool = False
-    activation_checkpointing: dict | None = None
-    comm_backend: str | None = None
+    optimizer: dict | None = None  # {"type", "params"}, built by optim.py
+    scheduler: dict | None = None  # {"type", "params"}, built by optim.py
+    allow_untested_optimizer: bool = False  # zero_allow_untested_optimizer: any client optimizer at stages 1-3
+    activation_checkpointing: dict | None = None  # validated section, for the engine's own checkpointing
+    comm_backend: str | None = None  # "ringcomm" | "torch"
     aio: AioOptions = field(default_factory=AioOptions)
 
 
