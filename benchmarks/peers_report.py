@@ -6,8 +6,9 @@ import json
 import os
 import statistics
 
-from bus_bw_cases import BUS_FACTOR
 from peers_cells import BEST_OF, DTYPE, PEERS, numel_for
+
+from ringcomm.schedule import bus_factor
 
 LABELS = {"rc_plain": "ringcomm plain", "rc_window": "ringcomm windows", "rc_dist": "ringcomm dist.*",
           "mpi": "Open MPI", "deepspeed": "DeepSpeed shm", "gloo": "gloo", "memcpy": "memcpy"}
@@ -29,7 +30,7 @@ def size_label(nbytes: int) -> str:
 def summarize(op: str, nbytes: int, cell: dict, world_size: int) -> dict:
     """time_us and busbw (GB/s; memcpy: S / time) as median, min, max over rounds."""
     actual = numel_for(nbytes, world_size) * DTYPE.itemsize
-    factor = 1.0 if op == "copy" else BUS_FACTOR[op](world_size)
+    factor = 1.0 if op == "copy" else bus_factor(op, world_size)
     times = [s * 1e6 for s in cell["seconds"]]
     rates = [actual * factor / s / 1e9 for s in cell["seconds"]]
     stat = lambda v: {"median": statistics.median(v), "min": min(v), "max": max(v)}  # noqa: E731
