@@ -181,7 +181,7 @@ class JoinedWork(dist.Work):
         future: torch.futures.Future = torch.futures.Future()
         try:
             self.wait()
-        except Exception as err:  # gloo raises RuntimeError or DistBackendError
+        except RuntimeError as err:  # gloo's DistBackendError is one
             future.set_exception(err)
         else:
             future.set_result(self._value)

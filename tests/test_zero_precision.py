@@ -11,7 +11,7 @@ import torch
 
 from zero.runtime.precision import DynamicLossScaler, ScalerOptions
 
-OPTIONS = dict(initial_scale_power=10, loss_scale_window=4, hysteresis=3, min_loss_scale=2.0)
+OPTIONS = {"initial_scale_power": 10, "loss_scale_window": 4, "hysteresis": 3, "min_loss_scale": 2.0}
 
 
 class Expected:
