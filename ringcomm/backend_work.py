@@ -117,30 +117,31 @@ def backend_work(work: Work | None, value: object) -> dist.Work:
 
 class JoinedWork(dist.Work):
     """One torch Work over several Works of a forwarded backend (a coalesced
-    call split per tensor): done when all are, failed when any failed."""
+    call split per tensor): done when all are, failed when any failed. Its
+    future joins the parts' futures; a part without one (gloo's reduce-scatter
+    Works raise "Work::getFuture not implemented") is waited for when the
+    future is first asked for, which then comes back completed. Such parts
+    also never report is_completed(), so a finished wait() is remembered."""
 
     def __init__(self, works: Sequence[dist.Work], value: list[torch.Tensor]) -> None:
         super().__init__()
         self._works = list(works)
-
-        def values(done: torch.futures.Future) -> list[torch.Tensor]:
-            for future in done.value():
-                future.value()  # re-raises a failed call's error
-            return value
-
-        self._future = torch.futures.collect_all([w.get_future() for w in self._works]).then(values)
+        self._value = value
+        self._future: torch.futures.Future | None = None
+        self._waited = False
 
     def wait(self, timeout: timedelta | None = None) -> bool:
+        """Waits for every part; raises the first failure."""
         for work in self._works:
             if timeout:
                 work.wait(timeout)
             else:
                 work.wait()
-        self._future.wait()  # raises the first failure
+        self._waited = True
         return True
 
     def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self._works)
+        return self._waited or all(w.is_completed() for w in self._works)
 
     def is_success(self) -> bool:
         return all(w.is_success() for w in self._works)
@@ -149,7 +150,42 @@ class JoinedWork(dist.Work):
         return next((w.exception() for w in self._works if w.exception() is not None), None)
 
     def get_future(self) -> torch.futures.Future:
+        if self._future is None:
+            self._future = self._join_futures()
         return self._future
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return self._value
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def _join_futures(self) -> torch.futures.Future:
+        try:
+            parts = [w.get_future() for w in self._works]
+        except RuntimeError as err:
+            if "not implemented" not in str(err):
+                raise
+            return self._waited_future()
+        value = self._value
+
+        def values(done: torch.futures.Future) -> list[torch.Tensor]:
+            for future in done.value():
+                future.value()  # re-raises a failed call's error
+            return value
+
+        return torch.futures.collect_all(parts).then(values)
+
+    def _waited_future(self) -> torch.futures.Future:
+        future: torch.futures.Future = torch.futures.Future()
+        try:
+            self.wait()
+        except RuntimeError as err:  # gloo's DistBackendError is one
+            future.set_exception(err)
+        else:
+            future.set_result(self._value)
+        return future
 
 
 def wait_forwarded(work: dist.Work, op: str, rank: int, timeout_s: float) -> None:

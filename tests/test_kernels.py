@@ -105,3 +105,114 @@ def test_bad_arguments():
         reduce_into(torch.empty(3, dtype=torch.uint8), [torch.empty(3, dtype=torch.uint8)], ReduceOp.SUM)
     with pytest.raises(ValueError):
         reduce_into(torch.empty(6)[::2], [torch.empty(3)], ReduceOp.SUM)
+
+
+# ---- 16-bit floats with +-inf and nan: float32 arithmetic in source order, one rounding ----
+SPECIAL = {"inf": float("inf"), "-inf": float("-inf"), "nan": float("nan")}
+FINITE = (0.0, -0.0, 1.5, -2.0, 3.0, 0.25)
+LARGEST = {torch.bfloat16: torch.finfo(torch.bfloat16).max, torch.float16: torch.finfo(torch.float16).max}
+HALF_ULP_OF_LARGEST = {torch.bfloat16: 2.0 ** 119, torch.float16: 16.0}  # 2**(emax - mantissa bits - 1)
+
+
+def float32_reference(srcs: list[torch.Tensor], op: ReduceOp, divisor: int) -> torch.Tensor:
+    """What the kernels claim for 16-bit floats: widen, combine in source order in
+    float32 (min/max propagate nan, as torch.minimum), divide for avg, round once."""
+    combine = {ReduceOp.SUM: torch.add, ReduceOp.AVG: torch.add, ReduceOp.PRODUCT: torch.mul,
+               ReduceOp.MIN: torch.minimum, ReduceOp.MAX: torch.maximum}[op]
+    acc = srcs[0].float()
+    for src in srcs[1:]:
+        acc = combine(acc, src.float())
+    if op == ReduceOp.AVG:
+        acc = acc / divisor
+    return acc.to(srcs[0].dtype)
+
+
+def with_specials(numel: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Finite values whose float32 sums and products are exact, with about one
+    element in three +inf, -inf or nan, anywhere (vector body and scalar tail)."""
+    values = torch.tensor(FINITE + tuple(SPECIAL.values()))
+    picks = torch.randint(0, len(values), (numel,), generator=gen)
+    picks = torch.where(torch.rand(numel, generator=gen) < 0.6, picks % len(FINITE), picks)
+    return values[picks].to(dtype)
+
+
+def assert_same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    # exact: the inputs make every float32 result exact, so only the one rounding is left
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("op", list(ReduceOp), ids=lambda o: o.name)
+def test_low_precision_inf_and_nan(dtype, op):
+    gen = torch.Generator().manual_seed(99 + int(op))
+    for num_srcs in (1, 2, 3, 4):  # 1: the cast paths alone (widen, narrow)
+        for numel in (1, 7, 8, 9, 31, 1031):  # F16C converts 8 at a time, then a scalar tail; 1031 > one block
+            srcs = [with_specials(numel, dtype, gen) for _ in range(num_srcs)]
+            want = float32_reference(srcs, op, divisor=num_srcs)
+            got = torch.full((numel,), 7.0, dtype=dtype)
+            reduce_into(got, srcs, op, divisor=num_srcs)
+            assert_same(got, want, f"{dtype} {op.name} num_srcs={num_srcs} numel={numel}")
+    # each special against each special and a finite value, element by element
+    names = list(SPECIAL) + ["1.5", "-0.0"]
+    pairs = [(a, b) for a in names for b in names]
+    left = torch.tensor([float(a) for a, _ in pairs]).to(dtype)
+    right = torch.tensor([float(b) for _, b in pairs]).to(dtype)
+    got = torch.empty_like(left)
+    reduce_into(got, [left, right], op, divisor=2)
+    want = float32_reference([left, right], op, divisor=2)
+    for index, (a, b) in enumerate(pairs):
+        assert_same(got[index], want[index], f"{dtype} {op.name}: {a} with {b}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_low_precision_overflow_rounds_to_inf(dtype):
+    """Finite 16-bit inputs whose float32 result lies past the largest finite
+    16-bit value: rounding to nearest even gives +-inf, one half ulp below stays finite."""
+    largest = LARGEST[dtype]
+    half_ulp = HALF_ULP_OF_LARGEST[dtype]
+    cases = [  # (a, b, expected a + b) in the dtype
+        (largest, largest, float("inf")),
+        (-largest, -largest, float("-inf")),
+        (largest, half_ulp, float("inf")),  # a tie: largest has an odd last bit, so it rounds up
+        (largest, half_ulp / 2, largest),
+        (-largest, -half_ulp, float("-inf")),
+    ]
+    for a, b, expected in cases:
+        srcs = [torch.full((9,), a).to(dtype), torch.full((9,), b).to(dtype)]
+        assert srcs[1][0].item() == b, f"{dtype}: {b} must be exact in the dtype"
+        for op, want in ((ReduceOp.SUM, expected), (ReduceOp.AVG, None)):
+            got = torch.empty(9, dtype=dtype)
+            reduce_into(got, srcs, op, divisor=2)
+            reference = float32_reference(srcs, op, divisor=2)
+            assert_same(got, reference, f"{dtype} {op.name} {a} + {b}")
+            if want is not None:
+                assert got[0].item() == want, f"{dtype}: {a} + {b} = {got[0].item()}, expected {want}"
+    product = torch.empty(9, dtype=dtype)
+    reduce_into(product, [torch.full((9,), largest).to(dtype), torch.full((9,), -2.0).to(dtype)], ReduceOp.PRODUCT)
+    assert torch.all(product == float("-inf")), f"{dtype}: largest * -2 = {product}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_float32_to_16_bit_copy_keeps_inf_and_nan(dtype):
+    """The other cast path: adam_step's 16-bit copy of an fp32 master (store_float).
+    With lr=0 and a zero gradient the master is unchanged and the copy is a pure
+    cast, which must equal torch's fp32 -> 16-bit rounding, nan payloads included."""
+    from ringcomm import _C
+    from ringcomm.ops import dtype_code
+
+    largest, half_ulp = LARGEST[dtype], HALF_ULP_OF_LARGEST[dtype]
+    nan_payloads = torch.tensor([0x7FFFFFFF, 0x7F800001, 0xFFC00000 - 2 ** 32, 0x7FC0FFFF], dtype=torch.int32)
+    master = torch.cat([torch.tensor([float("inf"), float("-inf"), float("nan"), 1.5, -0.0, largest,
+                                      largest + half_ulp, -(largest + half_ulp), largest + half_ulp / 2,
+                                      3.0e38, -7.0e4]), nan_payloads.view(torch.float32)])
+    master = master.repeat(3)  # 45 elements: the vectorized loop and its tail
+    numel = master.numel()
+    grad, exp_avg, exp_avg_sq = torch.zeros(numel), torch.zeros(numel), torch.zeros(numel)
+    before, want = master.clone(), master.to(dtype)
+    out = torch.full((numel,), 7.0, dtype=dtype)
+    _C.adam_step(master.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), out.data_ptr(),
+                 dtype_code(dtype, where="test"), numel, 0.0, 0.9, 0.999, 1e-8, 0.0, 1, 1.0, True, 1)
+    # AdamW with lr=0 leaves every master as it was, inf included (torch's AdamW adds no
+    # weight-decay term to the gradient, so 0 * inf never makes a nan)
+    assert_same(master, before, f"{dtype} adam_step master")
+    assert_same(out, want, f"{dtype} adam_step copy-out")

@@ -151,6 +151,57 @@ def test_impossible_flag_value_is_a_clear_error(field):
     run_ranks(forged_flag, 1, field, timeout=60)
 
 
+# [Note: shm trust]: after this rank posted round r, a peer's posted may reach r + NUM_SLOTS
+# (it reuses a slot only once this rank consumed it) and its consumed at most r.
+def gather_both_windows(pair: Pair, case: str) -> None:
+    """rank 0's windowed all_gather against the closed form: rank r's window holds r + 1."""
+    half = NUMEL // 2
+    for rank, window in enumerate(pair.windows):
+        torch.frombuffer(window, dtype=torch.float32).fill_(rank + 1.0)
+    pair.scratch.fill_(-7.0)
+    run_op(pair, ALL_GATHER)
+    want = torch.cat([torch.full((half,), 1.0), torch.full((half,), 2.0)])
+    assert torch.equal(pair.scratch, want), f"{case}: {pair.scratch}"
+
+
+def flags_at_the_limit(rank, world_size):
+    pair = make_pair()
+    for round in (1, 2):  # the limits move with rank 0's round
+        pair.peer._debug_post(desc(ALL_GATHER, NUMEL // 2))
+        pair.peer._debug_store("posted", round + NUM_SLOTS)
+        pair.peer._debug_store("consumed", round)
+        gather_both_windows(pair, f"round {round}: posted={round + NUM_SLOTS}, consumed={round}")
+        assert pair.comm.rounds == round and pair.comm.broken == "", f"round {round}: {pair.comm.broken!r}"
+
+
+def test_largest_legal_flags_are_accepted():
+    run_ranks(flags_at_the_limit, 1, timeout=60)
+
+
+def flag_one_past_the_limit(rank, world_size, field, late):
+    """The value is there when rank 0 first looks, or (late) stored while it waits."""
+    pair = make_pair()
+    pair.peer._debug_post(desc(ALL_GATHER, NUMEL // 2))
+    limit = 1 + NUM_SLOTS if field == "posted" else 1  # rank 0 waits in round 1
+    pair.peer._debug_store("consumed", 1)
+    if late:
+        pair.peer._debug_store(field, 0)  # rank 0 has to wait for this flag
+        forger = threading.Timer(0.2, pair.peer._debug_store, (field, limit + 1))
+        forger.start()
+    else:
+        pair.peer._debug_store(field, limit + 1)
+    message = expect_broken(pair, ALL_GATHER, field, f"{field}={limit + 1}")
+    assert f"at most {limit})" in message, message
+    if late:
+        forger.join()
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["at once", "while waiting"])
+@pytest.mark.parametrize("field", ["posted", "consumed"])
+def test_flag_one_past_the_limit_is_a_clear_error(field, late):
+    run_ranks(flag_one_past_the_limit, 1, field, late, timeout=60)
+
+
 def make_cma_pair() -> tuple[_C.ShmComm, _C.ShmComm]:
     """Two ranks of one segment with cross-memory attach on for every size."""
     name = f"/ringcomm-test-{secrets.token_hex(8)}"

@@ -33,7 +33,8 @@ void update(float* __restrict__ param, const float* __restrict__ grad, float* __
 #pragma GCC ivdep
   for (int64_t i = begin; i < end; ++i) {
     float p = param[i];
-    const float g = grad[i] * c.grad_coef + c.l2 * p;
+    // no L2 term without L2 decay (AdamW, or weight_decay 0), as torch: 0 * inf would make an inf master nan
+    const float g = grad[i] * c.grad_coef + (c.l2 != 0.0f ? c.l2 * p : 0.0f);
     const float m = c.beta1 * exp_avg[i] + c.one_minus_beta1 * g;
     const float v = c.beta2 * exp_avg_sq[i] + c.one_minus_beta2 * g * g;
     p = p * c.decay - c.step_size * m / (std::sqrt(v) * c.inv_bias2_sqrt + c.eps);
