@@ -4,92 +4,23 @@ the bytes that cross hosts shrink by the number of ranks per host."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import os
-import socket
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from . import rendezvous
+from .placement import HOST_ENV, SETUP, Placement, auto_transport, consecutive, exchange_hosts, host_name, \
+    plan_placement, shm_options_for_machine
 from .shm import ShmOptions, ShmTransport
-from .torch_dist import TorchDistOptions, TorchDistTransport
+from .torch_dist import TorchDistOptions, TorchDistTransport, _Diagnosis
 from .. import ring
-from ..host import usable_cores
 from ..kernels import reduce_into
 from ..ops import LOW_PRECISION, ReduceOp
 
-HOST_ENV = "RINGCOMM_HOST"  # overrides the host name (simulated hosts in tests and benchmarks)
-SETUP = "ringcomm group set-up"
-
-
-def host_name() -> str:
-    """This process's host as ringcomm sees it: RINGCOMM_HOST, else the host name."""
-    return os.environ.get(HOST_ENV) or socket.gethostname()
-
-
-@dataclass(frozen=True, slots=True)
-class Placement:
-    """Where the group's ranks are. Hosts are numbered by their lowest rank; a
-    host's ranks, ascending, have local ranks 0, 1, ..."""
-
-    hosts: tuple[str, ...]  # host name of each rank
-    ranks_on: tuple[tuple[int, ...], ...]  # ranks of each host, ascending
-
-    @property
-    def num_hosts(self) -> int:
-        return len(self.ranks_on)
-
-    @property
-    def local_world_size(self) -> int:
-        return len(self.ranks_on[0])
-
-    def host_of(self, rank: int) -> int:
-        return next(h for h, ranks in enumerate(self.ranks_on) if rank in ranks)
-
-    def local_rank_of(self, rank: int) -> int:
-        return self.ranks_on[self.host_of(rank)].index(rank)
-
-    def unsupported(self) -> str:
-        """Why the hierarchical algorithms cannot run here ("" when they can)."""
-        counts = [len(ranks) for ranks in self.ranks_on]
-        if len(set(counts)) > 1:
-            return f"hosts hold unequal numbers of ranks {counts}"
-        if counts[0] == 1:
-            return "every rank is on its own host"
-        if len(counts) == 1:
-            return "all ranks are on one host"
-        return ""
-
-    def is_host_major(self) -> bool:
-        return all(_consecutive(ranks) for ranks in self.ranks_on)
-
-
-def plan_placement(hosts: Sequence[str]) -> Placement:
-    by_host: dict[str, list[int]] = {}
-    for rank, host in enumerate(hosts):
-        by_host.setdefault(host, []).append(rank)
-    return Placement(tuple(hosts), tuple(tuple(ranks) for ranks in by_host.values()))
-
-
-def auto_transport(hosts: Sequence[str]) -> str:
-    """shm on one host, torch_dist when every rank has a host of its own,
-    hierarchical in between."""
-    num_hosts = len(set(hosts))
-    if num_hosts == 1:
-        return "shm"
-    return "torch_dist" if num_hosts == len(hosts) else "hierarchical"
-
-
-def exchange_hosts(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> list[str]:
-    """Collective: every rank's host name, through the group's store."""
-    store.set(f"host/{rank}", host_name())
-    rendezvous.wait_for(store, [f"host/{r}" for r in range(world_size)], timeout_s,
-                        f"{SETUP}: rank {rank} waiting for every rank's host name")
-    return [store.get(f"host/{r}").decode() for r in range(world_size)]
+LOCAL_EXPLAIN_S = 2.0  # how long a rank failed by a local peer waits for that peer's report
+LOCAL_STORE_S = 0.5  # and for a store that does not answer, beyond that
 
 
 def open_torch_dist(store: dist.Store, rank: int, world_size: int, timeout_s: float, options: TorchDistOptions, *,
@@ -104,6 +35,7 @@ def open_torch_dist(store: dist.Store, rank: int, world_size: int, timeout_s: fl
         transport = (FlatFallback(pg, timeout_s, options, diagnosis_store, fallback) if fallback
                      else TorchDistTransport(pg, timeout_s, options, diagnosis_store))
         rendezvous.check_in(store, "torch_dist/ready", rank, world_size, timeout_s, SETUP)
+        transport.learn_peers()
     except BaseException:
         pg.shutdown()
         raise
@@ -155,7 +87,7 @@ class HierarchicalTransport:
     kind = "hierarchical"
 
     def __init__(self, rank: int, placement: Placement, local: ShmTransport, cross: TorchDistTransport,
-                 cross_pg: dist.ProcessGroup, *, whole_max_nbytes: int) -> None:
+                 cross_pg: dist.ProcessGroup, *, whole_max_nbytes: int, board: _Diagnosis | None = None) -> None:
         self.rank = rank
         self.world_size = len(placement.hosts)
         self.timeout_s = local.timeout_s
@@ -173,7 +105,14 @@ class HierarchicalTransport:
         # (_step): its local peers see that in the shm segment (the cross step
         # polls it before each transfer, below) and its cross-host peers see its
         # connections close. Every rank then fails within about one timeout.
+        # A rank failed by a local peer (it timed out waiting, or the peer aborted)
+        # knows only that peer, not why: the peer was failed by a rank on another
+        # host. So every failing rank leaves its message on a board in the group's
+        # store (on a thread: the store may sit across the failed link), and a rank
+        # whose local step failed waits up to LOCAL_EXPLAIN_S for its peers' lines
+        # (a cross-host step of the same timeout fails moments later).
         cross.stop_when(lambda: f"local {why}" if (why := local.peer_aborted()) else "")
+        self._board = board or _Diagnosis(None, rank, self.world_size)
         self._broken = ""
 
     @classmethod
@@ -181,7 +120,7 @@ class HierarchicalTransport:
                torch_dist: TorchDistOptions) -> HierarchicalTransport:
         """Collective over the group: an shm transport per host, a gloo ring per local rank."""
         host, local_rank = placement.host_of(rank), placement.local_rank_of(rank)
-        shm = _shm_options_for_machine(store, rank, len(placement.hosts), timeout_s, shm)
+        shm = shm_options_for_machine(store, rank, len(placement.hosts), timeout_s, shm)
         local = ShmTransport.create(dist.PrefixStore(f"hier/host{host}/", store), local_rank,
                                     placement.local_world_size, timeout_s, shm)
         try:
@@ -190,7 +129,8 @@ class HierarchicalTransport:
         except BaseException:
             local.close()
             raise
-        return cls(rank, placement, local, cross, pg, whole_max_nbytes=shm.oneshot_max_nbytes)
+        board = _Diagnosis(dist.PrefixStore("hier/board/", store), rank, len(placement.hosts))
+        return cls(rank, placement, local, cross, pg, whole_max_nbytes=shm.oneshot_max_nbytes, board=board)
 
     def describe(self) -> str:
         layout = "host-major" if self.placement.is_host_major() else "interleaved"
@@ -222,9 +162,23 @@ class HierarchicalTransport:
                 f"global ranks {list(host_ranks)}, cross-host ring ranks 0..{len(ring_ranks) - 1} are global "
                 f"ranks {ring_ranks}: {err}")
             if self.local.broken or self.cross.broken:  # not a refusal that leaves the level usable
+                cross_failed = bool(self.cross.broken)
                 self._broken = message
                 self.abort()
+                if cross_failed:  # the cross level's message names its peers already
+                    self._board.start(message)
+                else:
+                    message += self._board.explain(message, min(LOCAL_EXPLAIN_S, self.timeout_s / 2), LOCAL_STORE_S)
+                    message += self._peer_rings()
+                self._broken = message
             raise RuntimeError(message) from err
+
+    def _peer_rings(self) -> str:
+        """Whom this host's other ranks wait on across hosts, named without the store."""
+        ranks = sorted({ranks[local] for host, ranks in enumerate(self.placement.ranks_on) if host != self.host
+                        for local in range(self.placement.local_world_size) if local != self.local_rank})
+        peers = ", ".join(f"global rank {r} on host {self.placement.hosts[r]!r}" for r in ranks)
+        return f"; the other local ranks' cross-host rings reach {peers}" if peers else ""
 
     def all_reduce(self, *, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> None:
         input, output = input.view(-1), output.view(-1)
@@ -295,7 +249,7 @@ class HierarchicalTransport:
             self.cross.all_gather(output=gathered, input=input)
         for host, ranks in enumerate(self.placement.ranks_on):
             part = gathered[host * numel:(host + 1) * numel]
-            if _consecutive(ranks):
+            if consecutive(ranks):
                 with self._step("all_gather", 2, f"local all-gather of host {host}'s chunks"):
                     self.local.all_gather(output=output[ranks[0] * numel:(ranks[-1] + 1) * numel], input=part)
                 continue
@@ -349,7 +303,7 @@ class HierarchicalTransport:
                      acc_dtype: torch.dtype) -> torch.Tensor:
         """Chunks ranks[0], ranks[1], ... of `input`, contiguous: a view when the
         ranks are consecutive and no widening is due, else a copy in scratch."""
-        if _consecutive(ranks) and acc_dtype == input.dtype:
+        if consecutive(ranks) and acc_dtype == input.dtype:
             return input[ranks[0] * numel:(ranks[-1] + 1) * numel]
         block = self._scratch[0].get(len(ranks) * numel, acc_dtype, input.device)
         for local_rank, rank in enumerate(ranks):
@@ -364,23 +318,9 @@ class HierarchicalTransport:
             output.copy_(reduced)
 
 
-def _shm_options_for_machine(store: dist.Store, rank: int, world_size: int, timeout_s: float,
-                             options: ShmOptions) -> ShmOptions:
-    """No spinning when the ranks on this machine outnumber its cores: with
-    simulated hosts (RINGCOMM_HOST) several shm groups share one machine, and
-    spinning ranks of one group starve the ranks of another."""
-    store.set(f"machine/{rank}", socket.gethostname())
-    rendezvous.wait_for(store, [f"machine/{r}" for r in range(world_size)], timeout_s,
-                        f"{SETUP}: rank {rank} waiting for every rank's machine name")
-    here = socket.gethostname()
-    on_machine = sum(store.get(f"machine/{r}").decode() == here for r in range(world_size))
-    cores = usable_cores()
-    return dataclasses.replace(options, spin_us=0.0) if on_machine > cores else options
-
-
 def _level_op(op: ReduceOp) -> ReduceOp:
     return ReduceOp.SUM if op == ReduceOp.AVG else op
 
 
-def _consecutive(ranks: tuple[int, ...]) -> bool:
-    return ranks == tuple(range(ranks[0], ranks[0] + len(ranks)))
+__all__ = ["HOST_ENV", "SETUP", "HierarchicalTransport", "Placement", "auto_transport", "exchange_hosts", "host_name",
+           "open_torch_dist", "plan_placement"]

@@ -35,11 +35,11 @@ class _PendingTransfer:
 
     def wait_send(self) -> None:
         if self._send is not None:
-            self._link.wait(self._send, self._op, self._step, f"sending to rank {self._link.right}")
+            self._link.wait(self._send, self._op, self._step, self._link.sending)
 
     def wait_recv(self) -> None:
         if self._recv is not None:
-            self._link.wait(self._recv, self._op, self._step, f"receiving from rank {self._link.left}")
+            self._link.wait(self._recv, self._op, self._step, self._link.receiving)
 
 
 class _P2PLink:
@@ -55,14 +55,23 @@ class _P2PLink:
         self.diagnosis = diagnosis
         self.broken = ""  # after a failure, late messages could pair with new ones: refuse further work
         self.interrupt: Callable[[], str] | None = None  # see TorchDistTransport.stop_when
+        self.name_peers()
+
+    def name_peers(self) -> None:
+        """What a failed transfer says it was doing, naming the peer's host when known."""
+        where = self.diagnosis.where
+        self.sending = f"sending to rank {self.right}{where(self.right)}"
+        self.receiving = f"receiving from rank {self.left}{where(self.left)}"
+        neighbours = ", ".join(f"rank {p}{where(p)}" for p in sorted({self.left, self.right} - {self.rank}))
+        self.neighbours = f" (ring neighbours {neighbours})" if neighbours else ""
 
     def start(self, send: torch.Tensor | None, recv: torch.Tensor | None, *, op: str, step: int) -> _PendingTransfer:
         tag = step
         recv_work = send_work = None
         if recv is not None:
-            recv_work = self.run(lambda: self.pg.recv([recv], self.left, tag), op, step, f"receiving from rank {self.left}")
+            recv_work = self.run(lambda: self.pg.recv([recv], self.left, tag), op, step, self.receiving)
         if send is not None:
-            send_work = self.run(lambda: self.pg.send([send], self.right, tag), op, step, f"sending to rank {self.right}")
+            send_work = self.run(lambda: self.pg.send([send], self.right, tag), op, step, self.sending)
         return _PendingTransfer(self, send_work, recv_work, op, step)
 
     def wait(self, work: dist.Work, op: str, step: int, what: str) -> None:
@@ -92,38 +101,67 @@ class _Diagnosis:
     def __init__(self, store: dist.Store | None, rank: int, world_size: int) -> None:
         self.store, self.rank, self.world_size = store, rank, world_size
         self.host = socket.gethostname()
+        self.peer_hosts: dict[int, str] = {}
         if store is not None:
             store.set(f"proc/{rank}", f"{self.host}:{os.getpid()}")
 
-    def explain(self, message: str) -> str:
+    def learn_hosts(self, peers: list[int]) -> None:
+        """Reads the hosts of `peers` now, while the store answers (set-up, after
+        every rank checked in), so that a failure names them without the store."""
+        if self.store is not None:
+            for peer in peers:
+                self.peer_hosts[peer] = self.store.get(f"proc/{peer}").decode().rsplit(":", 1)[0]
+
+    def where(self, peer: int) -> str:
+        """ " on host 'name'" for a peer whose host is known, else ""."""
+        return f" on host {self.peer_hosts[peer]!r}" if peer in self.peer_hosts else ""
+
+    def explain(self, message: str, wait_s: float = EXPLAIN_WAIT_S, store_s: float = EXPLAIN_STORE_S) -> str:
         """Notes naming the peers behind a failure. A killed peer's sockets close
-        while the kernel is still tearing it down, so its state is polled for a
-        moment (EXPLAIN_WAIT_S) before nothing is said of it. The store may sit
-        across the link that failed, where its calls block: they run on a thread
-        of their own, waited for at most EXPLAIN_STORE_S more."""
+        while the kernel is still tearing it down, and a peer blocked on a third
+        rank reports later, so the notes are polled for up to `wait_s` before
+        nothing is said. The store may sit across the link that failed, where its
+        calls block: they run on a thread of their own, waited for at most
+        `store_s` more."""
         if self.store is None:
             return ""
         notes: list[list[str]] = []
-        thread = threading.Thread(target=lambda: notes.append(self._poll_notes(message)), daemon=True,
-                                  name=f"ringcomm-diagnosis-r{self.rank}")
-        thread.start()
-        thread.join(EXPLAIN_WAIT_S + EXPLAIN_STORE_S)
+        thread = self.start(message, wait_s, notes)
+        thread.join(wait_s + store_s)
         if not notes:
-            return (f"; (the store did not answer within {EXPLAIN_WAIT_S + EXPLAIN_STORE_S} s: its host may be "
+            return (f"; (the store did not answer within {wait_s + store_s} s: its host may be "
                     f"unreachable)")
         return "; " + "; ".join(notes[0]) if notes[0] else ""
 
-    def _poll_notes(self, message: str) -> list[str]:
+    def start(self, message: str, wait_s: float = 0.0, notes: list | None = None) -> threading.Thread:
+        """Leaves `message` in the store and polls for notes, on a thread of its
+        own (its store calls may block); appends them to `notes`."""
+        found = [] if notes is None else notes
+        thread = threading.Thread(target=lambda: found.append(self._poll_notes(message, wait_s)), daemon=True,
+                                  name=f"ringcomm-diagnosis-r{self.rank}")
+        thread.start()
+        return thread
+
+    def _poll_notes(self, message: str, wait_s: float) -> list[str]:
         try:
             self.store.set(f"failure/{self.rank}", message)
-            deadline = time.monotonic() + EXPLAIN_WAIT_S
+            deadline = time.monotonic() + wait_s
             while True:
                 notes = self._notes()
-                if notes or time.monotonic() > deadline:
+                if notes:
                     return notes
+                if time.monotonic() > deadline:
+                    return [self._silence()] if self.world_size > 1 else []
                 time.sleep(0.01)
         except Exception as err:  # the store may have died with its host rank
             return [f"(store unreachable: {err})"]
+
+    def _silence(self) -> str:
+        """The note when no peer said anything: who could be unreachable or dead."""
+        peers = [p for p in range(self.world_size) if p != self.rank]
+        where = ", ".join(f"rank {p} on host {h!r} (pid {pid})" for p in peers
+                          for h, pid in [self.store.get(f"proc/{p}").decode().rsplit(":", 1)])
+        return f"no peer reported a failure: {where} may be unreachable, stopped or dead"
 
     def _notes(self) -> list[str]:
         notes = []
@@ -153,11 +191,24 @@ class TorchDistTransport:
         self._gate = CallGate(self.rank)
         self._link = _P2PLink(pg, timeout_s, _Diagnosis(store, self.rank, self.world_size), self._gate)
         self._scratch = ring.Scratch()
+        self._backend_name = pg.name()
+
+    def describe(self) -> str:
+        """How bytes move, for benchmark headers, logs and tests."""
+        return f"torch_dist: flat ring over {self.world_size} ranks on a {self._backend_name} group"
 
     @property
     def broken(self) -> str:
         """Why the transport refuses work after a failure ("" while it is usable)."""
         return self._link.broken
+
+    def learn_peers(self) -> None:
+        """Collective, once every rank has made its transport: learns the ring
+        neighbours' hosts, so that a failure names them without asking the store
+        (which may sit across the failed link)."""
+        link = self._link
+        link.diagnosis.learn_hosts(sorted({link.left, link.right} - {self.rank}))
+        link.name_peers()
 
     def stop_when(self, why: Callable[[], str]) -> None:
         """Before each transfer, calls why(); a non-empty answer fails the call in
@@ -185,7 +236,7 @@ class TorchDistTransport:
         dtype = dtype_code(tensor.dtype, where=op) if tensor is not None else -1
         mine = torch.tensor([OP_KINDS[op], dtype, redop, root, numel], dtype=torch.int64)
         everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
-        what = "comparing the call with all ranks"
+        what = f"comparing the call with all ranks{self._link.neighbours}"
         self._link.wait(self._link.run(lambda: self.pg.allgather([everyone], [mine]), op, 0, what), op, 0, what)
         bad = [r for r, theirs in enumerate(everyone) if not torch.equal(theirs, mine)]
         if bad:
@@ -231,7 +282,7 @@ class TorchDistTransport:
             if self.world_size > 1 and tensor.numel() > 0:
                 options = dist.BroadcastOptions()
                 options.rootRank = root
-                what = f"broadcasting from root {root}"
+                what = f"broadcasting from root {root}{self._link.neighbours}"
                 self._link.wait(self._link.run(lambda: self.pg.broadcast([tensor], options), "broadcast", 0, what),
                                 "broadcast", 0, what)
 
