@@ -246,9 +246,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even where the shell that started us ignores it
     with Cluster(args.hosts, link_gbit=args.link_gbit) as cluster:
-        results = cluster.run(args.script, nproc_per_host=args.nproc_per_host, timeout_s=args.timeout)
-    for result in results:
+        with cluster.launch(args.script, nproc_per_host=args.nproc_per_host, timeout_s=args.timeout) as launched:
+            results = launched.wait(echo=0)
+    for result in results[1:]:
         print(f"===== rank {result.rank} on host {result.host}: exit {result.returncode}\n{result.output}")
+    print(f"===== exit status of ranks 0..{len(results) - 1}: {[r.returncode for r in results]}")
     return 0 if all(r.returncode == 0 for r in results) else 1
 
 

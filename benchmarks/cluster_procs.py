@@ -184,10 +184,20 @@ class Launch:
     def done(self, ranks: Sequence[int]) -> bool:
         return all(self._file(r, "rc") for r in ranks) or all(a.poll() is not None for a in self.agents)
 
-    def wait(self, ranks: Sequence[int] | None = None) -> list[RankResult]:
-        """Waits (until the deadline) for `ranks` (default: all) to end; kills what remains."""
+    def wait(self, ranks: Sequence[int] | None = None, *, echo: int | None = None) -> list[RankResult]:
+        """Waits (until the deadline) for `ranks` (default: all) to end; kills
+        what remains. `echo`: a rank whose output goes to stdout as it comes."""
         ranks = range(self.world_size) if ranks is None else ranks
-        while not self.done(ranks) and time.monotonic() < self.deadline:
+        shown = 0
+        while True:
+            finished = self.done(ranks) or time.monotonic() > self.deadline
+            if echo is not None:
+                text = self._file(echo, "log")
+                sys.stdout.write(text[shown:])
+                sys.stdout.flush()
+                shown = len(text)
+            if finished:
+                break
             time.sleep(0.05)
         self.kill()
         results = []

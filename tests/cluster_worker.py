@@ -44,7 +44,12 @@ def mapped_shm_names() -> list[str]:
 
 
 def check_collectives(rank: int, world_size: int, kind: str, description: str) -> dict:
-    """ringcomm.* on the auto group vs gloo, every dtype and op; what its transport says."""
+    """ringcomm.* on the auto group vs gloo, every dtype and op, hierarchical
+    calls in pieces of a few elements (pipelined; test_hierarchical.py covers
+    whole calls); what its transport says."""
+    from ringcomm.transport import pipeline
+
+    pipeline.PIECE_NBYTES = 1024
     group = ringcomm.new_group(timeout=60, shm=SMALL_CMA, torch_dist=SMALL_TORCH_DIST)
     transport = group.transport
     assert transport.kind == kind, f"rank {rank} on {socket.gethostname()}: auto chose {group!r}, expected {kind}"
