@@ -156,7 +156,7 @@ class Launch:
             command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(cluster.num_hosts),
                        "--nproc-per-node", str(nproc_per_host), "--rdzv-backend", "c10d", "--rdzv-endpoint",
                        endpoint, "--rdzv-id", f"{cluster.owner}", "--local-addr", host.address, "--max-restarts",
-                       "0", "--monitor-interval", "0.1", "--no-python", "sh", wrapper, sys.executable, *argv]
+                       "0", "--monitor-interval", "0.1", "--no-python", "--", "sh", wrapper, sys.executable, *argv]
             log = open(os.path.join(self.out, f"agent{host.index}.log"), "w")
             self.agents.append(subprocess.Popen(host.enter() + command, env=base, stdin=subprocess.DEVNULL,
                                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True))

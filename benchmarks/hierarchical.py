@@ -312,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
             with machines.launch([os.path.abspath(__file__), *argv], nproc_per_host=args.nproc // args.hosts,
                                  timeout_s=args.timeout * 20 + 3600) as launched:
                 results = launched.wait(echo=0)
+                if any(r.returncode is None for r in results):
+                    print(launched.agent_logs()[-6000:], file=sys.stderr)
         failed = [r for r in results if r.returncode != 0]
         for r in failed:
             print(f"===== rank {r.rank} on host {r.host}: exit {r.returncode}\n{r.output[-4000:]}", file=sys.stderr)

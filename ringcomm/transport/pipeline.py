@@ -5,17 +5,18 @@ around it run on the caller's thread.
 [Note: hierarchical pipeline] The link across hosts is the bottleneck; run
 before and after it, the local steps would add their time to the link's. So a
 call runs in pieces, and piece k's cross-host step (C) runs on the cross
-thread while this thread does the local steps before (B) and after (A) the
-pieces around it:
+thread while this thread does the local steps before (B) of the next pieces
+(up to AHEAD of them) and after (A) of the last ones:
 
-  this thread:  B0 B1 .. A0 B2 .. A1 B3 .. A2 ....... A3
+  this thread:  B0 B1 B2 .. A0 B3 .. A1 ... A2 ... A3
   cross thread:    C0.......C1.......C2.......C3.......
 
 Every rank does its local steps in that same order, and each ring runs its
 pieces in order on one thread, so the two levels never wait on each other in
-a cycle. The cross thread always holds the next piece, so the link never waits
-for this thread. A failure at either level still aborts both (the caller's
-step context); the call returns only once the cross thread is done with its
+a cycle. The cross thread holds the next pieces, so the link does not wait
+for this thread even when it is scheduled late (cores shared with other
+work). A failure at either level still aborts both (the caller's step
+context); the call returns only once the cross thread is done with its
 buffers.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 
 PIECE_NBYTES = 1 << 20  # a pipelined call's pieces: at least this much of the full buffer each
 MAX_PIECES = 64
+AHEAD = 2  # pieces whose local steps before may run ahead of the cross thread
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,9 +81,10 @@ class Pipeline:
                 if stages.before:
                     stages.before(k)
                 pending.append(self._thread().submit(stages.across, k))
-                if k:
-                    self._finish(stages, k - 1, pending.pop(0), bound_s)
-            self._finish(stages, count - 1, pending.pop(0), bound_s)
+                if k >= AHEAD:
+                    self._finish(stages, k - AHEAD, pending.pop(0), bound_s)
+            for k in range(max(0, count - AHEAD), count):
+                self._finish(stages, k, pending.pop(0), bound_s)
         except BaseException:
             _, running = concurrent.futures.wait(pending, timeout=len(pending) * (self.timeout_s + 1))
             if running:  # the cross thread still uses this call's buffers: make its calls fail
