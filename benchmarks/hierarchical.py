@@ -250,22 +250,23 @@ def plot(rows: list[dict], info: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     ops = list(dict.fromkeys(r["op"] for r in rows))
-    fig, axes = plt.subplots(1, len(ops), figsize=(5.5 * len(ops), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(ops), figsize=(5.5 * len(ops), 4.4), squeeze=False)
     for ax, op in zip(axes[0], ops):
-        for backend in BACKENDS:
+        for color, backend in zip(("C0", "C2", "C4"), BACKENDS):
             mine = [r for r in rows if r["op"] == op and r["backend"] == backend]
-            ax.errorbar([r["nbytes"] for r in mine], [r["busbw"] for r in mine],
-                        yerr=[[r["busbw"] - r["busbw_min"] for r in mine], [r["busbw_max"] - r["busbw"] for r in mine]],
-                        marker="o", capsize=3, label=backend)
+            sizes = [r["nbytes"] for r in mine]
+            ax.errorbar(sizes, [r["busbw"] for r in mine], color=color, marker="o", capsize=3, label=backend,
+                        yerr=[[r["busbw"] - r["busbw_min"] for r in mine], [r["busbw_max"] - r["busbw"] for r in mine]])
             if mine and "limit_busbw" in mine[0]:
-                ax.plot([r["nbytes"] for r in mine], [r["limit_busbw"] for r in mine], linestyle="--",
+                ax.plot(sizes, [r["limit_busbw"] for r in mine], color=color, linestyle="--",
                         label=f"{backend}: link limit")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set(xlabel="size (bytes)", ylabel="bus bandwidth (GB/s)", title=f"{op}, {info['transport']}")
+        ax.set(xlabel="size (bytes)", ylabel="bus bandwidth (GB/s)", title=op)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"{info['world_size']} ranks on {info['hosts']} hosts, links {info['link_gbit'] or '-'} Gbit/s")
+    fig.suptitle(f"{info['world_size']} ranks on {info['hosts']} hosts, links {info['link_gbit'] or '-'} Gbit/s; "
+                 f"{info['transport']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
