@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ RDZV_PORT = 29400
 COMMAND_TIMEOUT_S = 10.0
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LINK = re.compile(rf"{PREFIX}([0-9a-f]+)[bv]\d*")
+_WORKDIR = re.compile(rf"{PREFIX}-(\d+)-[^/]+")  # Cluster.workdir, in the temporary folder
 _HOLDER_NAME = re.compile(rf"{HOLDER}-(\d+)-(\d+)")
 WRAPPER = """\
 "$@" >"$RCC_OUT/rank$RANK.log" 2>&1 &
@@ -115,7 +117,8 @@ def leftovers(owner: int | None = None) -> tuple[list[int], list[str]]:
 def sweep(owner: int | None = None) -> list[str]:
     """Removes the hosts and links of `owner`'s run, or (None) of every run whose
     owner is gone: first every process in a host, then its holder (its
-    namespaces, tmpfs and bind mount end with it), then the links."""
+    namespaces, tmpfs and bind mount end with it), then the links and the
+    run's folder (hosts file, ranks' output)."""
     holders, links = leftovers(owner)
     for holder in holders:
         if (netns := _netns_of(holder)) is not None:
@@ -123,7 +126,13 @@ def sweep(owner: int | None = None) -> list[str]:
         _kill_and_wait([holder])
     for link in links:
         subprocess.run(["ip", "link", "del", link], capture_output=True, timeout=COMMAND_TIMEOUT_S)
-    return [f"holder pid {h}" for h in holders] + [f"link {n}" for n in links]
+    folders = []
+    for entry in os.listdir(tempfile.gettempdir()):
+        if (match := _WORKDIR.fullmatch(entry)) and (int(match.group(1)) == owner or (
+                owner is None and not os.path.exists(f"/proc/{match.group(1)}"))):
+            shutil.rmtree(os.path.join(tempfile.gettempdir(), entry), ignore_errors=True)
+            folders.append(entry)
+    return [f"holder pid {h}" for h in holders] + [f"link {n}" for n in links] + [f"folder {f}" for f in folders]
 
 
 class RankResult(NamedTuple):
