@@ -14,14 +14,16 @@ it sets its hostname, mounts a fresh tmpfs on /dev/shm and binds the cluster's
 hosts file on /etc/hosts, then sleeps; everything else runs in its namespaces
 through `nsenter -t <holder> --net --uts --mount`. The pid namespace and the
 file system are shared, so the venv works unchanged and the launcher can
-signal any rank. Its link: a veth pair, `eth0` (MTU 9000, as cluster networks
-use) inside, `rcc<owner pid hex>v<i>` on the bridge `rcc<owner pid hex>b`,
-shaped by tbf on both ends (the host's upload and download). Addresses come
-from 198.18.0.0/15 (RFC 2544, reserved for benchmarks); the bridge has no
-address, so traffic stays between the cluster's hosts. A host's namespaces end
-with its last process: cleanup kills every process in each holder's network
-namespace, then the holder, then deletes the links; a run whose owner died
-(SIGKILL) is swept the same way by the next run, found by the holders' names.
+signal any rank. Its link: a veth pair, `eth0` inside, `rcc<owner pid hex>v<i>`
+on the bridge `rcc<owner pid hex>b`, shaped by tbf on both ends (the host's
+upload and download), MTU 9000 as cluster networks use (tbf counts every
+packet's headers: 0.7% of a 9000-byte frame, 4.4% of a 1500-byte one).
+Addresses come from 198.18.0.0/15 (RFC 2544, reserved for benchmarks), in a
+/24 that none of this machine's addresses is in; the bridge has no address,
+so traffic stays between the cluster's hosts. A host's namespaces end with its
+last process: cleanup kills every process in each holder's network namespace,
+then the holder, then deletes the links; a run whose owner died (SIGKILL) is
+swept the same way by the next run, found by the holders' names.
 """
 from __future__ import annotations
 
@@ -55,8 +57,8 @@ from cluster_procs import (  # noqa: E402
 
 __all__ = ["Cluster", "Host", "Launch", "RankResult", "leftovers", "missing", "sweep"]
 
-SUBNET = "198.18.0"  # 198.18.0.0/15: reserved for benchmarks, never a real network's
-FIRST_ADDRESS = 10  # host i is SUBNET.(10 + i): torchrun's c10d sorts nodes by address, so host i is node rank i
+FIRST_ADDRESS = 10  # host i is <subnet>.(10 + i): torchrun's c10d sorts nodes by address, so host i is node rank i
+MAX_HOSTS = 90  # two-digit last octets sort as numbers
 MTU = 9000
 TOOLS = ("ip", "tc", "unshare", "nsenter", "bash")
 
@@ -107,8 +109,8 @@ class Cluster:
     """H simulated hosts; a context manager that always removes them."""
 
     def __init__(self, num_hosts: int, *, link_gbit: float = 1.0, shm_nbytes: int = 2 << 30) -> None:
-        if num_hosts < 1 or num_hosts > 200 or link_gbit <= 0:
-            raise ValueError(f"cluster: {num_hosts=} must be in 1..200 and {link_gbit=} > 0")
+        if num_hosts < 1 or num_hosts > MAX_HOSTS or link_gbit <= 0:
+            raise ValueError(f"cluster: {num_hosts=} must be in 1..{MAX_HOSTS} and {link_gbit=} > 0")
         self.num_hosts, self.link_gbit, self.shm_nbytes = num_hosts, link_gbit, shm_nbytes
         self.owner = os.getpid()
         self.hosts: list[Host] = []
@@ -135,7 +137,8 @@ class Cluster:
         self.workdir = tempfile.mkdtemp(prefix=f"{PREFIX}-{self.owner}-")
         tag = f"{PREFIX}{self.owner:x}"
         names = [f"{PREFIX}-{self.owner:x}-host{i}" for i in range(self.num_hosts)]
-        addresses = [f"{SUBNET}.{FIRST_ADDRESS + i}" for i in range(self.num_hosts)]
+        subnet = _free_subnet()
+        addresses = [f"{subnet}.{FIRST_ADDRESS + i}" for i in range(self.num_hosts)]
         hosts_file = os.path.join(self.workdir, "hosts")
         with open(hosts_file, "w") as f:
             f.write("127.0.0.1 localhost\n" + "".join(f"{a} {n}\n" for a, n in zip(addresses, names)))
@@ -208,6 +211,12 @@ class Cluster:
             return launched.wait()
 
 
+def _free_subnet() -> str:
+    """A /24 of 198.18.0.0/15 (reserved for benchmarks) holding none of this machine's addresses."""
+    used = _run(["ip", "-o", "-4", "addr", "show"], "listing this machine's addresses")
+    return next(f"198.{b}.{c}" for b in (18, 19) for c in range(256) if f" 198.{b}.{c}." not in used)
+
+
 def _disable_ipv6(link: str) -> None:
     """No IPv6 chatter (router solicitations, MLD) on the counted links."""
     path = f"/proc/sys/net/ipv6/conf/{link}/disable_ipv6"
@@ -246,9 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even where the shell that started us ignores it
     with Cluster(args.hosts, link_gbit=args.link_gbit) as cluster:
-        results = cluster.run(args.script, nproc_per_host=args.nproc_per_host, timeout_s=args.timeout)
-    for result in results:
+        with cluster.launch(args.script, nproc_per_host=args.nproc_per_host, timeout_s=args.timeout) as launched:
+            results = launched.wait(echo=0)
+    for result in results[1:]:
         print(f"===== rank {result.rank} on host {result.host}: exit {result.returncode}\n{result.output}")
+    print(f"===== exit status of ranks 0..{len(results) - 1}: {[r.returncode for r in results]}")
     return 0 if all(r.returncode == 0 for r in results) else 1
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ RDZV_PORT = 29400
 COMMAND_TIMEOUT_S = 10.0
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LINK = re.compile(rf"{PREFIX}([0-9a-f]+)[bv]\d*")
+_WORKDIR = re.compile(rf"{PREFIX}-(\d+)-[^/]+")  # Cluster.workdir, in the temporary folder
 _HOLDER_NAME = re.compile(rf"{HOLDER}-(\d+)-(\d+)")
 WRAPPER = """\
 "$@" >"$RCC_OUT/rank$RANK.log" 2>&1 &
@@ -115,7 +117,8 @@ def leftovers(owner: int | None = None) -> tuple[list[int], list[str]]:
 def sweep(owner: int | None = None) -> list[str]:
     """Removes the hosts and links of `owner`'s run, or (None) of every run whose
     owner is gone: first every process in a host, then its holder (its
-    namespaces, tmpfs and bind mount end with it), then the links."""
+    namespaces, tmpfs and bind mount end with it), then the links and the
+    run's folder (hosts file, ranks' output)."""
     holders, links = leftovers(owner)
     for holder in holders:
         if (netns := _netns_of(holder)) is not None:
@@ -123,7 +126,13 @@ def sweep(owner: int | None = None) -> list[str]:
         _kill_and_wait([holder])
     for link in links:
         subprocess.run(["ip", "link", "del", link], capture_output=True, timeout=COMMAND_TIMEOUT_S)
-    return [f"holder pid {h}" for h in holders] + [f"link {n}" for n in links]
+    folders = []
+    for entry in os.listdir(tempfile.gettempdir()):
+        if (match := _WORKDIR.fullmatch(entry)) and (int(match.group(1)) == owner or (
+                owner is None and not os.path.exists(f"/proc/{match.group(1)}"))):
+            shutil.rmtree(os.path.join(tempfile.gettempdir(), entry), ignore_errors=True)
+            folders.append(entry)
+    return [f"holder pid {h}" for h in holders] + [f"link {n}" for n in links] + [f"folder {f}" for f in folders]
 
 
 class RankResult(NamedTuple):
@@ -156,7 +165,7 @@ class Launch:
             command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(cluster.num_hosts),
                        "--nproc-per-node", str(nproc_per_host), "--rdzv-backend", "c10d", "--rdzv-endpoint",
                        endpoint, "--rdzv-id", f"{cluster.owner}", "--local-addr", host.address, "--max-restarts",
-                       "0", "--monitor-interval", "0.1", "--no-python", "sh", wrapper, sys.executable, *argv]
+                       "0", "--monitor-interval", "0.1", "--no-python", "--", "sh", wrapper, sys.executable, *argv]
             log = open(os.path.join(self.out, f"agent{host.index}.log"), "w")
             self.agents.append(subprocess.Popen(host.enter() + command, env=base, stdin=subprocess.DEVNULL,
                                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
@@ -184,10 +193,20 @@ class Launch:
     def done(self, ranks: Sequence[int]) -> bool:
         return all(self._file(r, "rc") for r in ranks) or all(a.poll() is not None for a in self.agents)
 
-    def wait(self, ranks: Sequence[int] | None = None) -> list[RankResult]:
-        """Waits (until the deadline) for `ranks` (default: all) to end; kills what remains."""
+    def wait(self, ranks: Sequence[int] | None = None, *, echo: int | None = None) -> list[RankResult]:
+        """Waits (until the deadline) for `ranks` (default: all) to end; kills
+        what remains. `echo`: a rank whose output goes to stdout as it comes."""
         ranks = range(self.world_size) if ranks is None else ranks
-        while not self.done(ranks) and time.monotonic() < self.deadline:
+        shown = 0
+        while True:
+            finished = self.done(ranks) or time.monotonic() > self.deadline
+            if echo is not None:
+                text = self._file(echo, "log")
+                sys.stdout.write(text[shown:])
+                sys.stdout.flush()
+                shown = len(text)
+            if finished:
+                break
             time.sleep(0.05)
         self.kill()
         results = []

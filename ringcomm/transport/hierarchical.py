@@ -4,17 +4,18 @@ the bytes that cross hosts shrink by the number of ranks per host."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from . import rendezvous
+from .pipeline import Pipeline, Stages, num_pieces, pieces
 from .placement import HOST_ENV, SETUP, Placement, auto_transport, consecutive, exchange_hosts, host_name, \
     plan_placement, shm_options_for_machine
 from .shm import ShmOptions, ShmTransport
-from .torch_dist import TorchDistOptions, TorchDistTransport, _Diagnosis
+from .torch_dist import SKIP, TorchDistOptions, TorchDistTransport, _Diagnosis
 from .. import ring
 from ..kernels import reduce_into
 from ..ops import LOW_PRECISION, ReduceOp
@@ -95,7 +96,8 @@ class HierarchicalTransport:
         self.host = placement.host_of(rank)
         self.local_rank = placement.local_rank_of(rank)
         self.local, self.cross, self._cross_pg = local, cross, cross_pg
-        self._scratch = (ring.Scratch(), ring.Scratch())  # two buffers live at once
+        self._scratch = (ring.Scratch(), ring.Scratch(), ring.Scratch())  # three buffers live at once
+        self._pipe = Pipeline(rank, self._step, self.abort, self.timeout_s)
         self.whole_max_nbytes = whole_max_nbytes  # all_reduce up to here: local + cross all-reduce, no shards
         # [Note: hierarchical failures] A rank's two levels reach different peers,
         # and each level's timeout bounds one wait, not a step: a cross-host step
@@ -162,10 +164,9 @@ class HierarchicalTransport:
                 f"global ranks {list(host_ranks)}, cross-host ring ranks 0..{len(ring_ranks) - 1} are global "
                 f"ranks {ring_ranks}: {err}")
             if self.local.broken or self.cross.broken:  # not a refusal that leaves the level usable
-                cross_failed = bool(self.cross.broken)
                 self._broken = message
                 self.abort()
-                if cross_failed:  # the cross level's message names its peers already
+                if not what.startswith("local"):  # the cross level's message names its peers already
                     self._board.start(message)
                 else:
                     message += self._board.explain(message, min(LOCAL_EXPLAIN_S, self.timeout_s / 2), LOCAL_STORE_S)
@@ -194,22 +195,36 @@ class HierarchicalTransport:
             self._all_reduce_whole(input[body:], output[body:], op)
 
     def _all_reduce_body(self, input: torch.Tensor, output: torch.Tensor, shard_numel: int, op: ReduceOp) -> None:
-        begin = self.local_rank * shard_numel
-        own = output[begin:begin + shard_numel]
-        wide = input.dtype in LOW_PRECISION
-        sum_op = _level_op(op)
-        if wide:
-            source = self._widened(0, input)
-            shard = self._scratch[1].get(shard_numel, torch.float32, input.device)
-        else:
-            source, shard = input, own  # in place when input is output: own is chunk local_rank of it
-        with self._step("all_reduce", 1, "local reduce-scatter"):
-            self.local.reduce_scatter(output=shard, input=source, op=sum_op)
-        with self._step("all_reduce", 2, "cross-host all-reduce"):
-            self.cross.all_reduce(output=shard, input=shard, op=sum_op)
-        self._finish_reduction(shard, own, op)
-        with self._step("all_reduce", 3, "local all-gather"):
-            self.local.all_gather(output=output, input=own)
+        """Local reduce-scatter, cross-host all-reduce of the shard, local
+        all-gather: piece by piece, pipelined ([Note: hierarchical pipeline])."""
+        local_size, wide, sum_op = self.placement.local_world_size, input.dtype in LOW_PRECISION, _level_op(op)
+        source = self._widened(0, input) if wide else input
+        shards = self._scratch[1].get(shard_numel, torch.float32, input.device) if wide else None
+        bounds = pieces(shard_numel, num_pieces(input.numel() * input.element_size()))
+
+        def piece(k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            """(input, output, this rank's shard) of piece k; the shard is output's own part unless widened."""
+            lo, hi = bounds[k]
+            own = output[lo * local_size + self.local_rank * (hi - lo):][:hi - lo]
+            return (source[lo * local_size:hi * local_size], output[lo * local_size:hi * local_size],
+                    shards[lo:hi] if wide else own)
+
+        def before(k: int) -> None:
+            piece_input, _, shard = piece(k)
+            with self._step("all_reduce", 1, "local reduce-scatter"):
+                self.local.reduce_scatter(output=shard, input=piece_input, op=sum_op)
+
+        def after(k: int) -> None:
+            _, piece_output, shard = piece(k)
+            own = piece_output[self.local_rank * shard.numel():][:shard.numel()]
+            self._finish_reduction(shard, own, op)
+            with self._step("all_reduce", 3, "local all-gather"):
+                self.local.all_gather(output=piece_output, input=own)
+
+        self._pipeline("all_reduce", 2, "cross-host all-reduce", bounds, 4, before,
+                       lambda k: self.cross.all_reduce(output=piece(k)[2], input=piece(k)[2], op=sum_op,
+                                                       compare=SKIP if k else input.numel()),
+                       after)
 
     def _all_reduce_whole(self, input: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> None:
         """Local all-reduce, then a cross-host all-reduce of all of it (every ring
@@ -223,41 +238,75 @@ class HierarchicalTransport:
         self._finish_reduction(work, output, op)
 
     def reduce_scatter(self, *, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> None:
+        """Per piece of the chunks: each host's chunks reduce-scattered locally
+        into [H, piece] partials, then a cross-host reduce-scatter of those."""
         input, output = input.view(-1), output.view(-1)
-        numel = output.numel()
+        numel, num_hosts = output.numel(), self.placement.num_hosts
         if numel == 0:
             return
         acc_dtype = torch.float32 if input.dtype in LOW_PRECISION else input.dtype
-        partials = self._scratch[1].get(self.placement.num_hosts * numel, acc_dtype, input.device)
-        for host, ranks in enumerate(self.placement.ranks_on):
-            block = self._host_chunks(input, ranks, numel, acc_dtype)
-            with self._step("reduce_scatter", 1, f"local reduce-scatter of host {host}'s chunks"):
-                self.local.reduce_scatter(output=partials[host * numel:(host + 1) * numel], input=block,
-                                          op=_level_op(op))
-        result = output if acc_dtype == output.dtype else self._scratch[0].get(numel, acc_dtype, input.device)
-        with self._step("reduce_scatter", 2, "cross-host reduce-scatter"):
-            self.cross.reduce_scatter(output=result, input=partials, op=_level_op(op))
-        self._finish_reduction(result, output, op)
+        partials = self._scratch[1].get(num_hosts * numel, acc_dtype, input.device)
+        result = output if acc_dtype == output.dtype else self._scratch[2].get(numel, acc_dtype, input.device)
+        bounds = pieces(numel, num_pieces(input.numel() * input.element_size()))
+
+        def before(k: int) -> None:
+            lo, hi = bounds[k]
+            for host, ranks in enumerate(self.placement.ranks_on):
+                block = self._host_chunks(input, ranks, numel, acc_dtype, lo, hi)
+                with self._step("reduce_scatter", 1, f"local reduce-scatter of host {host}'s chunks"):
+                    self.local.reduce_scatter(output=partials[num_hosts * lo + host * (hi - lo):][:hi - lo],
+                                              input=block, op=_level_op(op))
+
+        def across(k: int) -> None:
+            lo, hi = bounds[k]
+            self.cross.reduce_scatter(output=result[lo:hi], input=partials[num_hosts * lo:num_hosts * hi],
+                                      op=_level_op(op), compare=SKIP if k else numel)
+
+        def after(k: int) -> None:
+            lo, hi = bounds[k]
+            self._finish_reduction(result[lo:hi], output[lo:hi], op)
+
+        self._pipeline("reduce_scatter", 2, "cross-host reduce-scatter", bounds, 4 * num_hosts, before, across,
+                       after)
 
     def all_gather(self, *, output: torch.Tensor, input: torch.Tensor) -> None:
+        """Per piece of the input: a cross-host all-gather into [H, piece], then
+        for each host h a local all-gather of part h into the chunks of h's ranks."""
         input, output = input.view(-1), output.view(-1)
-        numel = input.numel()
+        numel, num_hosts = input.numel(), self.placement.num_hosts
         if numel == 0:
             return
-        gathered = self._scratch[0].get(self.placement.num_hosts * numel, input.dtype, input.device)
-        with self._step("all_gather", 1, "cross-host all-gather"):
-            self.cross.all_gather(output=gathered, input=input)
-        for host, ranks in enumerate(self.placement.ranks_on):
-            part = gathered[host * numel:(host + 1) * numel]
-            if consecutive(ranks):
+        gathered = self._scratch[0].get(num_hosts * numel, input.dtype, input.device)
+        bounds = pieces(numel, num_pieces(output.numel() * output.element_size()))
+
+        def after(k: int) -> None:
+            lo, hi = bounds[k]
+            for host, ranks in enumerate(self.placement.ranks_on):
+                part = gathered[num_hosts * lo + host * (hi - lo):][:hi - lo]
+                in_place = consecutive(ranks) and len(bounds) == 1
+                block = output[ranks[0] * numel:(ranks[-1] + 1) * numel] if in_place else \
+                    self._scratch[1].get(len(ranks) * (hi - lo), input.dtype, input.device)
                 with self._step("all_gather", 2, f"local all-gather of host {host}'s chunks"):
-                    self.local.all_gather(output=output[ranks[0] * numel:(ranks[-1] + 1) * numel], input=part)
-                continue
-            block = self._scratch[1].get(len(ranks) * numel, input.dtype, input.device)
-            with self._step("all_gather", 2, f"local all-gather of host {host}'s chunks"):
-                self.local.all_gather(output=block, input=part)
-            for local_rank, rank in enumerate(ranks):
-                output[rank * numel:(rank + 1) * numel].copy_(block[local_rank * numel:(local_rank + 1) * numel])
+                    self.local.all_gather(output=block, input=part)
+                for local_rank, rank in enumerate(ranks if not in_place else ()):
+                    output[rank * numel + lo:rank * numel + hi].copy_(block[local_rank * (hi - lo):][:hi - lo])
+
+        self._pipeline("all_gather", 1, "cross-host all-gather", bounds, 4 * num_hosts, None,
+                       lambda k: self.cross.all_gather(output=gathered[num_hosts * bounds[k][0]:
+                                                                       num_hosts * bounds[k][1]],
+                                                       input=input[bounds[k][0]:bounds[k][1]],
+                                                       compare=SKIP if k else numel),
+                       after)
+
+    def _pipeline(self, op: str, cross_step: int, cross_what: str, bounds: list[tuple[int, int]], nbytes_per: int,
+                  before: Callable[[int], None] | None, across: Callable[[int], None],
+                  after: Callable[[int], None]) -> None:
+        """The pieces (bounds[k]: element range of piece k) through the pipeline;
+        across(k) moves about nbytes_per bytes per element of its piece. Each
+        transfer of a cross-host call is bounded by the timeout: so is its wait."""
+        segments = max(hi - lo for lo, hi in bounds) * nbytes_per // self.cross.options.segment_nbytes + 1
+        bound_s = self.timeout_s * (2 * self.placement.num_hosts * segments + 2)
+        self._pipe.run(Stages(op, cross_step, cross_what, before, across, after), len(bounds), bound_s)
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
         """Across hosts among the root's local rank, then inside every host."""
@@ -289,6 +338,7 @@ class HierarchicalTransport:
         self._shutdown_cross_pg()
 
     def _shutdown_cross_pg(self) -> None:
+        self._pipe.shutdown()
         if self._cross_pg is not None:
             self._cross_pg.shutdown()
             self._cross_pg = None
@@ -299,16 +349,17 @@ class HierarchicalTransport:
         wide.copy_(tensor)
         return wide
 
-    def _host_chunks(self, input: torch.Tensor, ranks: tuple[int, ...], numel: int,
-                     acc_dtype: torch.dtype) -> torch.Tensor:
-        """Chunks ranks[0], ranks[1], ... of `input`, contiguous: a view when the
-        ranks are consecutive and no widening is due, else a copy in scratch."""
-        if consecutive(ranks) and acc_dtype == input.dtype:
+    def _host_chunks(self, input: torch.Tensor, ranks: tuple[int, ...], numel: int, acc_dtype: torch.dtype,
+                     lo: int, hi: int) -> torch.Tensor:
+        """Elements lo..hi of chunks ranks[0], ranks[1], ... of `input`, contiguous:
+        a view when that is all of consecutive chunks and no widening is due,
+        else a copy in scratch."""
+        if consecutive(ranks) and acc_dtype == input.dtype and (lo, hi) == (0, numel):
             return input[ranks[0] * numel:(ranks[-1] + 1) * numel]
-        block = self._scratch[0].get(len(ranks) * numel, acc_dtype, input.device)
+        block = self._scratch[0].get(len(ranks) * (hi - lo), acc_dtype, input.device).view(len(ranks), hi - lo)
         for local_rank, rank in enumerate(ranks):
-            block[local_rank * numel:(local_rank + 1) * numel].copy_(input[rank * numel:(rank + 1) * numel])
-        return block
+            block[local_rank].copy_(input[rank * numel + lo:rank * numel + hi])
+        return block.view(-1)
 
     def _finish_reduction(self, reduced: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> None:
         """AVG's one division by the world size, then the one rounding to 16 bits."""

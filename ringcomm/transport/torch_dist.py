@@ -21,6 +21,7 @@ from .lifecycle import CallGate
 
 EXPLAIN_WAIT_S = 0.5
 EXPLAIN_STORE_S = 2.0
+SKIP = -1  # compare= of a pipelined call's later pieces
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,13 +226,13 @@ class TorchDistTransport:
         return max(1, self.options.segment_nbytes // tensor.element_size())
 
     def _check_call(self, op: str, tensor: torch.Tensor | None, numel: int, *, redop: int = -1, root: int = -1,
-                    always: bool = False) -> None:
+                    always: bool = False, compare: int | None = None) -> None:
         """All ranks must call the same op on the same dtype and sizes; a mismatch
         would otherwise pair unequal messages. Costs one small all-gather."""
         if self._link.broken:
             raise RuntimeError(f"{op}: rank {self.rank}: the group is unusable after an earlier failure: "
                                f"{self._link.broken}")
-        if self.world_size == 1 or not (always or self.options.check_calls):
+        if self.world_size == 1 or compare == SKIP or not (always or self.options.check_calls):
             return
         dtype = dtype_code(tensor.dtype, where=op) if tensor is not None else -1
         mine = torch.tensor([OP_KINDS[op], dtype, redop, root, numel], dtype=torch.int64)
@@ -246,10 +247,13 @@ class TorchDistTransport:
                 f"{mine.tolist()}, ranks {bad} differ; all calls: {calls}"
             )
 
-    def all_reduce(self, *, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> None:
+    # compare: the numel the ranks compare instead of this call's (a pipelined
+    # call's first piece compares the whole call's), SKIP for none (a later piece).
+    def all_reduce(self, *, output: torch.Tensor, input: torch.Tensor, op: ReduceOp,
+                   compare: int | None = None) -> None:
         with self._gate.call("all_reduce"):
             input, output = input.view(-1), output.view(-1)
-            self._check_call("all_reduce", input, input.numel(), redop=int(op))
+            self._check_call("all_reduce", input, _or(compare, input.numel()), redop=int(op), compare=compare)
             chunks = schedule.chunk_bounds(input.numel(), self.world_size)
             own = chunks[self.rank]
             # In place is safe: the ring writes output's own chunk only in its last step,
@@ -258,18 +262,19 @@ class TorchDistTransport:
                                 segment_numel=self._segment_numel(input), name="all_reduce", scratch=self._scratch)
             ring.all_gather(self._link, output, chunks, self._segment_numel(output), name="all_reduce")
 
-    def reduce_scatter(self, *, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> None:
+    def reduce_scatter(self, *, output: torch.Tensor, input: torch.Tensor, op: ReduceOp,
+                       compare: int | None = None) -> None:
         with self._gate.call("reduce_scatter"):
             input, output = input.view(-1), output.view(-1)
-            self._check_call("reduce_scatter", input, output.numel(), redop=int(op))
+            self._check_call("reduce_scatter", input, _or(compare, output.numel()), redop=int(op), compare=compare)
             chunks = schedule.equal_chunks(output.numel(), self.world_size)
             ring.reduce_scatter(self._link, output=output, input=input, chunks=chunks, op=op,
                                 segment_numel=self._segment_numel(input), scratch=self._scratch)
 
-    def all_gather(self, *, output: torch.Tensor, input: torch.Tensor) -> None:
+    def all_gather(self, *, output: torch.Tensor, input: torch.Tensor, compare: int | None = None) -> None:
         with self._gate.call("all_gather"):
             input, output = input.view(-1), output.view(-1)
-            self._check_call("all_gather", input, input.numel())
+            self._check_call("all_gather", input, _or(compare, input.numel()), compare=compare)
             chunks = schedule.equal_chunks(input.numel(), self.world_size)
             own = output[chunks[self.rank].begin:chunks[self.rank].end]
             if own.data_ptr() != input.data_ptr():
@@ -313,3 +318,7 @@ class TorchDistTransport:
         that its connections close once no failed call's frames hold its Works."""
         self._link.pg = None
         self.pg = None
+
+
+def _or(compare: int | None, numel: int) -> int:
+    return numel if compare is None else compare
