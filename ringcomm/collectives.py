@@ -31,13 +31,10 @@ def lean_all_reduce(tensor: object, op: ReduceOp, group: Group) -> bool:
     handle = group.lean_handle
     if handle is None or _profiler._is_profiler_enabled:
         return False
-    recorder = group.recorder
-    entry = None if recorder is None else recorder.begin_lean("all_reduce", tensor, tensor, op)
     try:
-        ran = _C.all_reduce_tensor(handle, tensor, op, group.timeout_s)
-    except RuntimeError as err:
-        raise group.failed(entry, group.explain(err)) from None
-    return ran if entry is None else recorder.end_lean(entry, ran)
+        return _C.all_reduce_tensor(handle, tensor, op, group.timeout_s)
+    except Exception as err:
+        raise group.failed(None, err) from None
 
 
 def lean_reduce_scatter(output: object, input: object, op: ReduceOp, group: Group) -> bool:
@@ -45,13 +42,10 @@ def lean_reduce_scatter(output: object, input: object, op: ReduceOp, group: Grou
     handle = group.lean_handle
     if handle is None or _profiler._is_profiler_enabled:
         return False
-    recorder = group.recorder
-    entry = None if recorder is None else recorder.begin_lean("reduce_scatter", input, output, op)
     try:
-        ran = _C.reduce_scatter_tensors(handle, output, input, op, group.timeout_s)
-    except RuntimeError as err:
-        raise group.failed(entry, group.explain(err)) from None
-    return ran if entry is None else recorder.end_lean(entry, ran)
+        return _C.reduce_scatter_tensors(handle, output, input, op, group.timeout_s)
+    except Exception as err:
+        raise group.failed(None, err) from None
 
 
 def lean_all_gather(output: object, input: object, group: Group) -> bool:
@@ -59,13 +53,10 @@ def lean_all_gather(output: object, input: object, group: Group) -> bool:
     handle = group.lean_handle
     if handle is None or _profiler._is_profiler_enabled:
         return False
-    recorder = group.recorder
-    entry = None if recorder is None else recorder.begin_lean("all_gather", input, output, None)
     try:
-        ran = _C.all_gather_tensors(handle, output, input, group.timeout_s)
-    except RuntimeError as err:
-        raise group.failed(entry, group.explain(err)) from None
-    return ran if entry is None else recorder.end_lean(entry, ran)
+        return _C.all_gather_tensors(handle, output, input, group.timeout_s)
+    except Exception as err:
+        raise group.failed(None, err) from None
 
 
 def _check(op: str, name: str, tensor: object, group: Group) -> None:

@@ -17,8 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import profiling
-from . import recorder as recorder_mod
+from . import profiling, recorder as recorder_mod
 from .ops import ReduceOp
 from .transport import rendezvous
 from .transport.base import Transport
@@ -78,7 +77,9 @@ class Group:
         self.lean_handle = getattr(transport, "handle", None)
         self._idle_handle = self.lean_handle
         self.recorder = recorder_mod.for_group(self.rank, self.world_size, global_ranks, transport.kind,
-                                               self.timeout_s)
+                                               self.timeout_s, self._idle_handle)
+        if self.recorder is not None and self.recorder.stacks:  # the lean path records no Python stack
+            self.lean_handle = self._idle_handle = None
 
     def run(self, op: str, fn: Callable[[], None], async_op: bool, *, inputs: Sequence[torch.Tensor] = (),
             outputs: Sequence[torch.Tensor] = (), redop: ReduceOp | None = None) -> Work | None:
@@ -87,16 +88,14 @@ class Group:
         `inputs`, `outputs` and `redop` describe it to the flight recorder and
         the profiler ([Note: flight recorder], [Note: profiler events])."""
         inline = self._enter(op, async_op)
-        recorder = self.recorder
-        entry = None if recorder is None else recorder.record(op, inputs, outputs, redop,
-                                                              "started" if inline else "queued")
-        event = profiling.Event(op, inputs, seq=recorder.seq if recorder else 0, group_size=self.world_size) \
+        entry = self.recorder and self.recorder.record(op, inputs, outputs, redop, "started" if inline else "queued")
+        event = profiling.Event(op, inputs, seq=entry[recorder_mod.SEQ] if entry else 0, group_size=self.world_size) \
             if profiling.active() else None
         if inline:
             try:
                 fn()
-            except RuntimeError as err:
-                raise self.failed(entry, self.explain(err)) from None
+            except Exception as err:
+                raise self.failed(entry, err) from None
             finally:
                 self._leave()
                 if event is not None:
@@ -143,10 +142,13 @@ class Group:
         return Work(future, op, self.rank, timing)
 
     def failed(self, entry: list | None, err: BaseException) -> BaseException:
-        """Marks `entry` failed and dumps the flight recorder; returns `err`."""
+        """Marks `entry` failed, dumps the flight recorder; returns `err` (explained)."""
+        if isinstance(err, RuntimeError):
+            err = self.explain(err)
         if entry is not None:
             recorder_mod.failed(entry, err)
-            recorder_mod.dump(f"{entry[recorder_mod.OP]} failed on rank {self.rank}: {str(err).splitlines()[0][:300]}")
+        if self.recorder is not None:
+            recorder_mod.dump(f"failed on group rank {self.rank}: {str(err).splitlines()[0][:200]}")
         return err
 
     def explain(self, err: RuntimeError) -> RuntimeError:

@@ -281,8 +281,8 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         entry = None if group.recorder is None else group.recorder.record(op, inputs, value, None, "started")
         try:
             fn()
-        except RuntimeError as err:
-            raise group.failed(entry, group.explain(err)) from None
+        except Exception as err:
+            raise group.failed(entry, err) from None
         if entry is not None:
             recorder.completed(entry)
         return finished_work(value)

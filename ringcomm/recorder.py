@@ -18,6 +18,7 @@ set so that a signal or dump_trace() reaches every live group of the process.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -31,7 +32,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .ops import ReduceOp
+from . import _C
+from .ops import DTYPE_CODES, OP_KINDS, ReduceOp
 from .profiling import event_name
 
 DEFAULT_BUFFER_SIZE = 64
@@ -42,6 +44,9 @@ FILE_PREFIX = "ringcomm_trace_rank_"
 SEQ, OP, INPUTS, OUTPUTS, DTYPE, REDOP, STATE, CREATED, STARTED, COMPLETED, ERROR, FRAMES = range(12)
 
 _recorders: weakref.WeakSet[FlightRecorder] = weakref.WeakSet()
+# The n-th group this process made: ranks make their groups in the same order,
+# so n names the same group in every rank's dump.
+_group_ids = itertools.count()
 
 
 def buffer_size() -> int:
@@ -60,14 +65,15 @@ def trace_dir() -> str:
     return os.environ.get("RINGCOMM_TRACE_DIR") or os.path.join(tempfile.gettempdir(), f"ringcomm-trace-{os.getuid()}")
 
 
-def for_group(rank: int, world_size: int, global_ranks: tuple[int, ...], transport: str,
-              timeout_s: float) -> FlightRecorder | None:
-    """A group's recorder, or None when RINGCOMM_TRACE_BUFFER_SIZE=0."""
+def for_group(rank: int, world_size: int, global_ranks: tuple[int, ...], transport: str, timeout_s: float,
+              handle: object | None) -> FlightRecorder | None:
+    """A group's recorder, or None when RINGCOMM_TRACE_BUFFER_SIZE=0. `handle`:
+    the transport's lean handle (its lean calls are recorded in C++), or None."""
     capacity = buffer_size()
     if capacity == 0:
         return None
     recorder = FlightRecorder(capacity, rank=rank, world_size=world_size, global_ranks=global_ranks,
-                              transport=transport)
+                              transport=transport, handle=handle)
     recorder.timeout_s = timeout_s
     return recorder
 
@@ -76,10 +82,14 @@ class FlightRecorder:
     """The last `capacity` collectives of one group, newest last."""
 
     def __init__(self, capacity: int, *, rank: int, world_size: int, global_ranks: tuple[int, ...],
-                 transport: str) -> None:
+                 transport: str, handle: object | None) -> None:
         assert capacity > 0
         self.capacity = capacity
-        self.seq = 0  # of the last call recorded
+        self.group_id = next(_group_ids)
+        self._seq = 0  # of the last call recorded here, where no handle numbers them
+        self._handle = handle
+        if handle is not None:
+            _C._trace_resize(handle, capacity)
         self._ring: list[list | None] = [None] * capacity
         self.rank, self.world_size, self.global_ranks, self.transport = rank, world_size, global_ranks, transport
         self.stacks = os.environ.get("RINGCOMM_TRACE_STACKS") == "1"
@@ -90,7 +100,10 @@ class FlightRecorder:
     def record(self, op: str, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
                redop: ReduceOp | None, state: str) -> list:
         """A new entry; of `inputs` and `outputs` only their shapes and dtype are kept."""
-        self.seq = seq = self.seq + 1
+        if self._handle is not None:
+            seq = _C._trace_next_seq(self._handle)
+        else:
+            self._seq = seq = self._seq + 1
         now = time.time_ns()
         dtype = inputs[0].dtype if inputs else outputs[0].dtype if outputs else None
         entry = [seq, op, [t.shape for t in inputs], [t.shape for t in outputs], dtype, redop, state, now,
@@ -100,40 +113,19 @@ class FlightRecorder:
         self._ring[seq % self.capacity] = entry
         return entry
 
-    def begin_lean(self, op: str, input: object, output: object, redop: ReduceOp | None) -> list | None:
-        """record() for a lean call: started, one input and one output, their
-        shapes kept as torch.Size (the cheapest). None when they are not
-        tensors (the checked path then refuses them)."""
-        try:
-            entry = [0, op, input.shape, output.shape, input.dtype, redop, "started", 0, 0, 0, "", None]
-        except AttributeError:
-            return None
-        self.seq = entry[SEQ] = seq = self.seq + 1
-        entry[CREATED] = entry[STARTED] = time.time_ns()
-        if self.stacks:
-            entry[FRAMES] = traceback.format_stack(limit=24)[:-2]
-        self._ring[seq % self.capacity] = entry
-        return entry
-
-    def end_lean(self, entry: list, ran: bool) -> bool:
-        """Completes a lean call's entry, or forgets it when the call did not run
-        (the checked path records it then); returns `ran`."""
-        if ran:
-            entry[STATE], entry[COMPLETED] = "completed", time.time_ns()
-        else:
-            self._ring[self.seq % self.capacity] = None
-            self.seq -= 1
-        return ran
-
-    def entries(self) -> list[list]:
-        """The entries kept, oldest first."""
-        first = max(1, self.seq - self.capacity + 1)
-        return [e for e in (self._ring[s % self.capacity] for s in range(first, self.seq + 1)) if e is not None]
+    def entries(self) -> list[dict]:
+        """The last `capacity` calls, oldest first: those recorded here and the
+        lean calls the C++ part recorded."""
+        entries = [_entry_dict(e, self.transport) for e in self._ring if e is not None]
+        if self._handle is not None:
+            entries += [_lean_entry_dict(e, self.transport) for e in _C._trace_entries(self._handle)]
+        entries.sort(key=lambda e: e["collective_seq_id"])
+        return entries[-self.capacity:]
 
     def snapshot(self) -> dict:
-        return {"rank": self.rank, "world_size": self.world_size, "global_ranks": list(self.global_ranks),
-                "transport": self.transport, "timeout_s": self.timeout_s,
-                "entries": [_entry_dict(e, self.transport) for e in self.entries()]}
+        return {"group_id": self.group_id, "rank": self.rank, "world_size": self.world_size,
+                "global_ranks": list(self.global_ranks), "transport": self.transport, "timeout_s": self.timeout_s,
+                "entries": self.entries()}
 
 
 def started(entry: list) -> None:
@@ -148,8 +140,8 @@ def failed(entry: list, error: BaseException) -> None:
     entry[STATE], entry[COMPLETED], entry[ERROR] = "failed", time.time_ns(), str(error).splitlines()[0][:500]
 
 
-def _shapes(shapes: list | torch.Size) -> list[list[int]]:
-    return [list(shapes)] if isinstance(shapes, torch.Size) else [list(s) for s in shapes]
+def _shapes(shapes: list[torch.Size]) -> list[list[int]]:
+    return [list(s) for s in shapes]
 
 
 def _entry_dict(e: list, transport: str) -> dict:
@@ -161,6 +153,22 @@ def _entry_dict(e: list, transport: str) -> dict:
             "transport": transport, "state": e[STATE], "time_created_ns": e[CREATED],
             "time_discovered_started_ns": e[STARTED] or None, "time_discovered_completed_ns": e[COMPLETED] or None,
             "error": e[ERROR], "frames": e[FRAMES] or []}
+
+
+_KIND_NAMES = {code: name for name, code in OP_KINDS.items()}
+_DTYPE_NAMES = {code: str(dtype).removeprefix("torch.") for dtype, code in DTYPE_CODES.items()}
+_LEAN_STATES = {1: "started", 2: "completed", 3: "failed"}
+
+
+def _lean_entry_dict(e: tuple, transport: str) -> dict:
+    """An entry of the C++ part: (seq, kind, dtype, redop, state, input_numel, output_numel, started_ns, ended_ns)."""
+    seq, kind, dtype, redop, state, input_numel, output_numel, started_ns, ended_ns = e
+    return {"record_id": seq, "collective_seq_id": seq, "profiling_name": event_name(_KIND_NAMES[kind]),
+            "input_sizes": [[input_numel]], "input_dtypes": [_DTYPE_NAMES[dtype]], "output_sizes": [[output_numel]],
+            "output_dtypes": [_DTYPE_NAMES[dtype]], "reduce_op": ReduceOp(redop).name if redop >= 0 else None,
+            "transport": transport, "state": _LEAN_STATES[state], "time_created_ns": started_ns,
+            "time_discovered_started_ns": started_ns, "time_discovered_completed_ns": ended_ns or None,
+            "error": "", "frames": []}
 
 
 def dump(reason: str, directory: str | None = None) -> str | None:
@@ -177,7 +185,7 @@ def dump(reason: str, directory: str | None = None) -> str | None:
         os.makedirs(directory, mode=0o700, exist_ok=True)
         payload = {"version": VERSION, "rank": rank, "world_size": world_size, "pid": os.getpid(),
                    "hostname": socket.gethostname(), "reason": reason, "time_ns": time.time_ns(),
-                   "groups": [r.snapshot() for r in recorders]}
+                   "groups": [r.snapshot() for r in sorted(recorders, key=lambda r: r.group_id)]}
         path = os.path.join(directory, f"{FILE_PREFIX}{rank}.json")
         scratch = f"{path}.{os.getpid()}.tmp"
         with open(scratch, "w") as out:
