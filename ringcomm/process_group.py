@@ -98,7 +98,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                 and collectives.lean_all_reduce(tensors[0], redop, self._group)):
             return finished_work(tensors)
         if redop is None or not self._accelerates(tensors, strided=True):
-            return self._forward("allreduce", tensors, lambda b: b.allreduce(tensors, opts, inputs=tensors), opts, inputs=tensors)
+            return self._forward("allreduce", tensors, lambda b: b.allreduce(tensors, opts), opts, inputs=tensors)
         return self._run("allreduce", backend_ops.all_reduce(self._transport, tensors, redop), opts, tensors,
                          inputs=tensors, redop=redop)
 
@@ -106,8 +106,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         opts = opts or dist.AllreduceCoalescedOptions()
         redop = accelerated_redop(opts)
         if redop is None or not self._accelerates(tensors, strided=True):
-            return self._forward("allreduce_coalesced", tensors, lambda b: b.allreduce_coalesced(tensors,
-                                 opts, inputs=tensors),
+            return self._forward("allreduce_coalesced", tensors, lambda b: b.allreduce_coalesced(tensors, opts),
                                  opts, inputs=tensors)
         return self._run("allreduce_coalesced", backend_ops.all_reduce(self._transport, tensors, redop), opts, tensors,
                          inputs=tensors, redop=redop)
@@ -119,7 +118,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
             return self._run_lean("broadcast", fn, opts, tensors, inputs=tensors)
         opts = opts or dist.BroadcastOptions()
         if not self._accelerates(tensors, strided=True):
-            return self._forward("broadcast", tensors, lambda b: b.broadcast(tensors, opts, inputs=tensors), opts, inputs=tensors)
+            return self._forward("broadcast", tensors, lambda b: b.broadcast(tensors, opts), opts, inputs=tensors)
         backend_ops.check_root("broadcast", opts.rootRank, self._rank, self._world_size)
         return self._run("broadcast", backend_ops.broadcast(self._transport, tensors, opts.rootRank), opts, tensors,
                          inputs=tensors)
@@ -128,8 +127,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         opts = opts or AllgatherOptions()
         flat = [t for outputs in output_lists for t in outputs] + list(inputs)
         if len(inputs) != 1 or not self._accelerates(flat) or not backend_ops.equal_numels(flat):
-            return self._forward("allgather", flat, lambda b: b.allgather(output_lists, inputs, opts,
-                                 inputs=inputs), opts,
+            return self._forward("allgather", flat, lambda b: b.allgather(output_lists, inputs, opts), opts,
                                  inputs=inputs)
         backend_ops.check_list("allgather", output_lists[0], self._rank, self._world_size)
         fn = backend_ops.all_gather_list(self._transport, output_lists[0], inputs[0])
@@ -158,8 +156,8 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         redop = accelerated_redop(opts)
         flat = list(outputs) + [t for inputs in input_lists for t in inputs]
         if len(outputs) != 1 or redop is None or not self._accelerates(flat) or not backend_ops.equal_numels(flat):
-            return self._forward("reduce_scatter", flat, lambda b: b.reduce_scatter(outputs, input_lists, opts,
-                                 inputs=flat[len(outputs):]), opts,
+            return self._forward("reduce_scatter", flat, lambda b: b.reduce_scatter(outputs, input_lists, opts),
+                                 opts,
                                  inputs=flat[len(outputs):])
         backend_ops.check_list("reduce_scatter", input_lists[0], self._rank, self._world_size)
         fn = backend_ops.reduce_scatter_list(self._transport, outputs[0], input_lists[0], redop)
@@ -197,20 +195,19 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     # ---- forwarded collectives (queued in order; see [Note: what runs where]) ----
     def gather(self, output_lists, inputs, opts=None) -> dist.Work:
         tensors = [t for outputs in output_lists for t in outputs] + list(inputs)
-        return self._forward("gather", tensors, lambda b: b.gather(output_lists, inputs, opts, inputs=inputs), opts, inputs=inputs)
+        return self._forward("gather", tensors, lambda b: b.gather(output_lists, inputs, opts), opts, inputs=inputs)
 
     def scatter(self, outputs, input_lists, opts=None) -> dist.Work:
         tensors = list(outputs) + [t for inputs in input_lists for t in inputs]
-        return self._forward("scatter", tensors, lambda b: b.scatter(outputs, input_lists, opts,
-                             inputs=tensors[len(outputs):] or outputs), opts,
+        return self._forward("scatter", tensors, lambda b: b.scatter(outputs, input_lists, opts), opts,
                              inputs=tensors[len(outputs):] or outputs)
 
     def reduce(self, tensors, opts=None) -> dist.Work:
-        return self._forward("reduce", tensors, lambda b: b.reduce(tensors, opts, inputs=tensors), opts, inputs=tensors)
+        return self._forward("reduce", tensors, lambda b: b.reduce(tensors, opts), opts, inputs=tensors)
 
     def alltoall(self, outputs, inputs, opts=None) -> dist.Work:
         tensors = list(outputs) + list(inputs)
-        return self._forward("alltoall", tensors, lambda b: b.alltoall(outputs, inputs, opts, inputs=inputs), opts, inputs=inputs)
+        return self._forward("alltoall", tensors, lambda b: b.alltoall(outputs, inputs, opts), opts, inputs=inputs)
 
     def all_to_all_single(self, output, input, output_splits, input_splits, opts=None) -> dist.Work:
         return self._forward("all_to_all_single", [output, input],
@@ -222,7 +219,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     def allgather_coalesced(self, output_lists, inputs, opts=None) -> dist.Work:
         tensors = [t for outputs in output_lists for t in outputs] + list(inputs)
         return self._forward("allgather_coalesced", tensors,
-                             lambda b: b.allgather_coalesced(output_lists, inputs, opts, inputs=inputs), opts, inputs=inputs)
+                             lambda b: b.allgather_coalesced(output_lists, inputs, opts), opts, inputs=inputs)
 
     # ---- lifetime: see [Note: group lifetime] in group.py ----
     def shutdown(self) -> None:

@@ -47,6 +47,8 @@ def ddp_worker(rank: int, world_size: int) -> dict:
         dist.all_gather_into_tensor(torch.empty(2 * 3), torch.ones(3), group=group)
         dist.reduce_scatter_tensor(torch.empty(2), torch.ones(2 * 2), group=group)
         dist.barrier(group=group)
+        dist.reduce(torch.ones(2, 3), 0, group=group)  # forwarded to the internal gloo, recorded as ringcomm's
+        dist.gather(torch.ones(4), [torch.empty(4) for _ in range(2)] if rank == 0 else None, 0, group=group)
 
     events = summary(profiled(step))
     plain = [name for name, *_ in summary(profiled(lambda: None))]
@@ -63,6 +65,8 @@ def test_ddp_step_on_the_backend_records_every_collective() -> None:
         assert ("ringcomm:all_gather_into_tensor", [[3]], "float32") in result["events"], f"rank {rank}"
         assert ("ringcomm:reduce_scatter_tensor", [[4]], "float32") in result["events"], f"rank {rank}"
         assert "ringcomm:barrier" in names, f"rank {rank}: {names}"
+        assert ("ringcomm:reduce", [[2, 3]], "float32") in result["events"], f"rank {rank}: {result['events']}"
+        assert ("ringcomm:gather", [[4]], "float32") in result["events"], f"rank {rank}: {result['events']}"
         assert result["idle"] == [], f"rank {rank}: events without calls: {result['idle']}"
 
 
