@@ -245,7 +245,8 @@ def observe_rows(world_size: int) -> list[tuple[str, int, str, Callable]]:
     t = torch.ones(2)
     rows = []
     for state, (group, pg) in groups.items():
-        rows += [("all_reduce", 8, f"ringcomm.all_reduce, recorder {state}", lambda g=group: ringcomm.all_reduce(t, group=g)),
+        rows += [("all_reduce", 8, f"ringcomm.all_reduce, recorder {state}",
+                  lambda g=group: ringcomm.all_reduce(t, group=g)),
                  ("all_reduce", 8, f"dist ringcomm, recorder {state}", lambda p=pg: dist.all_reduce(t, group=p))]
     profiled = groups["on"][0]
 

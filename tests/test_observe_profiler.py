@@ -11,9 +11,9 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from harness import run_ranks
 
 import ringcomm
-from harness import run_ranks
 
 
 def trace_events(prof: torch.profiler.profile) -> list[dict]:

@@ -15,9 +15,9 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from harness import run_ranks
 
 import ringcomm
-from harness import run_ranks
 from ringcomm import trace
 
 TIMEOUT_S = 3.0  # the group's: how long the waiting ranks wait before they fail and dump

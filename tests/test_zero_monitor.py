@@ -12,9 +12,8 @@ import io
 import os
 
 import pytest
-
-from test_zero_dropin import load_script, needs_deepspeed
 from harness import run_ranks
+from test_zero_dropin import load_script, needs_deepspeed
 
 NUM_STEPS = 3
 
@@ -118,7 +117,8 @@ def test_monitors_write_deepspeeds_files_and_tags(runs) -> None:
     theirs_files = set(os.listdir(os.path.join(theirs_root, "csv", "job")))
     assert "Train_Samples_lr.csv" in theirs_files, theirs_files
     # zero's reductions overlap backward: it has no backward_inner / backward_allreduce times to report
-    overlapped = {"Train_Samples_elapsed_time_ms_backward_inner.csv", "Train_Samples_elapsed_time_ms_backward_allreduce.csv"}
+    overlapped = {"Train_Samples_elapsed_time_ms_backward_inner.csv",
+                  "Train_Samples_elapsed_time_ms_backward_allreduce.csv"}
     assert theirs_files - overlapped <= ours_files, (theirs_files, ours_files)
     assert "Train_Samples_elapsed_time_ms_forward.csv" in ours_files, ours_files
     rank0 = ours[0]
@@ -139,8 +139,9 @@ def test_monitors_write_deepspeeds_files_and_tags(runs) -> None:
 def missing_tensorboard_worker(rank: int, world_size: int) -> str:
     import builtins
 
-    import zero
     from zero_reference import engine_config, make_model
+
+    import zero
 
     real_import = builtins.__import__
 

@@ -64,7 +64,8 @@ _P2P_EVENTS = ExpectedFailure(
     "Scalars are not equal",
     "point-to-point calls go straight to the internal gloo backend, never queued ([Note: what runs where] in "
     "process_group.py), so their profiler events are gloo's (gloo:send, gloo:recv), not ringcomm's")
-_P2P_PROFILED = ("test_isend_autograd_profiler", "test_isend_torch_profiler", "test_send_recv_any_source_autograd_profiler",
+_P2P_PROFILED = ("test_isend_autograd_profiler", "test_isend_torch_profiler",
+                 "test_send_recv_any_source_autograd_profiler",
                  "test_send_recv_any_source_torch_profiler", "test_send_recv_autograd_profiler",
                  "test_send_recv_torch_profiler", "test_send_recv_with_tag_autograd_profiler",
                  "test_send_recv_with_tag_torch_profiler")

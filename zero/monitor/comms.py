@@ -128,7 +128,8 @@ def summary_lines(records: dict, straggler_min: dict | None = None) -> list[str]
             lines.append(f"{' ': <20}{convert_size(size): <20}{count: <20}{sum(lats): <20.2f}{trim_mean(lats): <20.2f}"
                          f"{trim_mean(algbws): <20.2f}{trim_mean(busbws): <20.2f}")
     if straggler_min is not None:
-        lines += ["_______________________________", "Breakdown with straggler effect", "-------------------------------",
+        lines += ["_______________________________", "Breakdown with straggler effect",
+                  "-------------------------------",
                   "".join(f"{h: <20}" for h in ("Comm. Op", "Message Size", "Count", "Total comm lat(ms)",
                                                 "Total straggler(ms)", "Avg comm lat(ms)", "Avg straggler(ms)"))]
         for name, sizes in records.items():

@@ -46,7 +46,8 @@ class StepLog:
             if loss_scale is not None:
                 events.append(("Train/Samples/loss_scale", loss_scale, samples))
             if self.config.wall_clock_breakdown:  # DeepSpeed's backward_inner / _allreduce: ours overlap in backward
-                events += [(f"Train/Samples/elapsed_time_ms_{phase}", self.elapsed_ms[phase], samples) for phase in PHASES]
+                events += [(f"Train/Samples/elapsed_time_ms_{phase}", self.elapsed_ms[phase], samples)
+                           for phase in PHASES]
             for monitor in self.monitors:
                 monitor.write_events(events)
         self._losses.clear()
