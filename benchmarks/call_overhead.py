@@ -37,6 +37,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--target-ms", type=float, default=40.0, help="about how long one timed loop runs")
     parser.add_argument("--max-nbytes", type=int, default=1 << 20, help="skip larger messages (a quicker run)")
     parser.add_argument("--json", default="bench-results/call_overhead.json")
+    parser.add_argument("--observe", action="store_true",
+                        help="only the cost of observing: 8 B all_reduce with the flight recorder on and off, "
+                             "and under the profiler, interleaved round by round")
     return parser.parse_args(argv)
 
 
@@ -223,6 +226,84 @@ def lean_pair_checks(pg) -> Callable[[], object]:
     return lambda: _C.reduce_scatter_tensors(handle, small, big, 0, 10.0)
 
 
+def observe_rows(world_size: int) -> list[tuple[str, int, str, Callable]]:
+    """8 B all_reduce on groups made with the flight recorder on (the default)
+    and off (RINGCOMM_TRACE_BUFFER_SIZE=0), through ringcomm.* and dist.*; the
+    profiler's flag check alone; ringcomm.all_reduce under an active profiler."""
+    import torch
+    import torch.distributed as dist
+    from torch.autograd import profiler
+
+    import ringcomm
+
+    groups = {}
+    for state, size in (("on", None), ("off", "0")):
+        if size is not None:
+            os.environ["RINGCOMM_TRACE_BUFFER_SIZE"] = size
+        groups[state] = (ringcomm.new_group(), dist.new_group(backend="ringcomm"))
+        os.environ.pop("RINGCOMM_TRACE_BUFFER_SIZE", None)
+    t = torch.ones(2)
+    rows = []
+    for state, (group, pg) in groups.items():
+        rows += [("all_reduce", 8, f"ringcomm.all_reduce, recorder {state}",
+                  lambda g=group: ringcomm.all_reduce(t, group=g)),
+                 ("all_reduce", 8, f"dist ringcomm, recorder {state}", lambda p=pg: dist.all_reduce(t, group=p))]
+    profiled = groups["on"][0]
+
+    def under_profiler() -> None:
+        ringcomm.all_reduce(t, group=profiled)
+
+    rows += [("piece", 0, "profiler check (_is_profiler_enabled)", lambda: profiler._is_profiler_enabled),
+             ("all_reduce", 8, "ringcomm.all_reduce under torch.profiler", under_profiler)]
+    return rows
+
+
+def time_interleaved(rows: list, reps: int, target_s: float) -> list[list[float]]:
+    """Each row's mean us per call in each of `reps` rounds, the rows taking turns
+    within a round (so that the machine's load shifts hit them alike)."""
+    import torch
+    import torch.distributed as dist
+
+    iterations = [agreed_iterations(fn, target_s) for *_, fn in rows]
+    means: list[list[float]] = [[] for _ in rows]
+    for _ in range(reps):
+        for index, (*_, fn) in enumerate(rows):
+            profile = "under torch.profiler" in rows[index][2]
+            context = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile else None
+            if context is not None:
+                context.__enter__()
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(iterations[index]):
+                fn()
+            means[index].append((time.perf_counter() - start) / iterations[index] * 1e6)
+            if context is not None:
+                context.__exit__(None, None, None)
+    return means
+
+
+def observe_worker(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rows = observe_rows(world_size)
+    means = time_interleaved(rows, args.reps, args.target_ms / 1e3)
+    if rank != 0:
+        return
+    print(f"{'op':>10} {'size':>6}  {'path':<42} {'median us':>10}  range")
+    results = []
+    for (op, nbytes, path, _), values in zip(rows, means):
+        median = statistics.median(values)
+        results.append({"op": op, "nbytes": nbytes, "path": path, "us_median": median, "us_all": values})
+        print(f"{op:>10} {nbytes:>4} B  {path:<42} {median:10.3f}  [{min(values):.3f} .. {max(values):.3f}]")
+    loadavg = open("/proc/loadavg").read().strip()
+    print(f"# loadavg {loadavg}; ranks {world_size}; {args.reps} interleaved rounds")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"loadavg": loadavg, "world_size": world_size, "rows": results}, f, indent=1)
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
@@ -256,7 +337,8 @@ def worker(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    return launch(worker, args, nproc=args.world_size, timeout_s=60.0, deadline_s=600.0)
+    return launch(observe_worker if args.observe else worker, args, nproc=args.world_size, timeout_s=60.0,
+                  deadline_s=600.0)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from .group import Group, GroupOptions, GroupState, create_group, default_group,
 from .launch import OverlapReport
 from .layout import BufferLayout, BucketSpan, ParamSlot, plan_buckets, plan_groups, plan_module_buckets
 from .ops import ReduceOp
+from .recorder import dump_trace
 from .overlap import BucketLauncher, OwnedBucketScheduler
 from .transport.shm import ShmOptions
 from .transport.torch_dist import TorchDistOptions
@@ -21,6 +22,6 @@ __all__ = [
     "GroupOptions", "GroupState", "OverlapReport", "OwnedBucketScheduler", "ParamSlot", "ReduceOp", "ShmOptions",
     "TorchDistOptions", "Work", "all_gather",
     "all_gather_coalesced", "all_reduce", "barrier", "broadcast", "create_group", "default_group",
-    "destroy_default_group", "empty", "flat_buffers", "new_group", "plan_buckets", "plan_groups",
+    "destroy_default_group", "dump_trace", "empty", "flat_buffers", "new_group", "plan_buckets", "plan_groups",
     "plan_module_buckets", "process_group", "reduce_scatter", "reduce_scatter_coalesced", "transport_allocator",
 ]

@@ -14,6 +14,7 @@ at a time uses the group.
 from __future__ import annotations
 
 import torch
+from torch.autograd import profiler as _profiler
 
 from . import _C, aliasing
 from .group import Group, resolve_group
@@ -28,34 +29,34 @@ def lean_all_reduce(tensor: object, op: ReduceOp, group: Group) -> bool:
     """In place: `tensor` becomes its reduction over the group, here and now,
     when the call may take the lean path; False sends it down the checked one."""
     handle = group.lean_handle
-    if handle is None:
+    if handle is None or _profiler._is_profiler_enabled:
         return False
     try:
         return _C.all_reduce_tensor(handle, tensor, op, group.timeout_s)
-    except RuntimeError as err:
-        raise group.explain(err) from None
+    except Exception as err:
+        raise group.failed(None, err) from None
 
 
 def lean_reduce_scatter(output: object, input: object, op: ReduceOp, group: Group) -> bool:
     """reduce_scatter (torch's reduce_scatter_tensor) on the lean path, if it may take it."""
     handle = group.lean_handle
-    if handle is None:
+    if handle is None or _profiler._is_profiler_enabled:
         return False
     try:
         return _C.reduce_scatter_tensors(handle, output, input, op, group.timeout_s)
-    except RuntimeError as err:
-        raise group.explain(err) from None
+    except Exception as err:
+        raise group.failed(None, err) from None
 
 
 def lean_all_gather(output: object, input: object, group: Group) -> bool:
     """all_gather (torch's all_gather_into_tensor) on the lean path, if it may take it."""
     handle = group.lean_handle
-    if handle is None:
+    if handle is None or _profiler._is_profiler_enabled:
         return False
     try:
         return _C.all_gather_tensors(handle, output, input, group.timeout_s)
-    except RuntimeError as err:
-        raise group.explain(err) from None
+    except Exception as err:
+        raise group.failed(None, err) from None
 
 
 def _check(op: str, name: str, tensor: object, group: Group) -> None:
@@ -98,7 +99,7 @@ def all_reduce(tensor: torch.Tensor, op: object = ReduceOp.SUM, group: Group | N
                              f"on rank {group.rank}")
         tensor = aliasing.all_reduce_input(tensor, output)
     return group.run("all_reduce", lambda: group.transport.all_reduce(output=output, input=tensor, op=redop),
-                     async_op)
+                     async_op, inputs=(tensor,), outputs=(output,), redop=redop)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: object = ReduceOp.SUM, group: Group | None = None,
@@ -118,7 +119,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: object = Reduc
                          f"output.numel()={output.numel()} on rank {group.rank}")
     input = aliasing.reduce_scatter_input(output, input, group.rank)
     return group.run("reduce_scatter", lambda: group.transport.reduce_scatter(output=output, input=input, op=redop),
-                     async_op)
+                     async_op, inputs=(input,), outputs=(output,), redop=redop)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group | None = None,
@@ -135,7 +136,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Group | None = 
         raise ValueError(f"all_gather: output.numel()={output.numel()} != world_size ({group.world_size}) * "
                          f"input.numel()={input.numel()} on rank {group.rank}")
     input = aliasing.all_gather_input(output, input, group.rank)
-    return group.run("all_gather", lambda: group.transport.all_gather(output=output, input=input), async_op)
+    return group.run("all_gather", lambda: group.transport.all_gather(output=output, input=input), async_op,
+                     inputs=(input,), outputs=(output,))
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group: Group | None = None, async_op: bool = False) -> Work | None:
@@ -144,7 +146,8 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: Group | None = None, as
     _check("broadcast", "tensor", tensor, group)
     if not 0 <= src < group.world_size:
         raise ValueError(f"broadcast: src={src} outside the group (world_size {group.world_size}) on rank {group.rank}")
-    return group.run("broadcast", lambda: group.transport.broadcast(tensor, src), async_op)
+    return group.run("broadcast", lambda: group.transport.broadcast(tensor, src), async_op,
+                     inputs=(tensor,), outputs=(tensor,))
 
 
 def barrier(group: Group | None = None, async_op: bool = False) -> Work | None:

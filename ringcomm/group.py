@@ -10,13 +10,15 @@ import re
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from . import profiling, recorder as recorder_mod
+from .ops import ReduceOp
 from .transport import rendezvous
 from .transport.base import Transport
 from .transport.hierarchical import HierarchicalTransport, auto_transport, exchange_hosts, \
@@ -74,30 +76,61 @@ class Group:
         # comm thread, or the group is closed.
         self.lean_handle = getattr(transport, "handle", None)
         self._idle_handle = self.lean_handle
+        self.recorder = recorder_mod.for_group(self.rank, self.world_size, global_ranks, transport.kind,
+                                               self.timeout_s, self._idle_handle)
+        if self.recorder is not None and self.recorder.stacks:  # the lean path records no Python stack
+            self.lean_handle = self._idle_handle = None
 
-    def run(self, op: str, fn: Callable[[], None], async_op: bool) -> Work | None:
+    def run(self, op: str, fn: Callable[[], None], async_op: bool, *, inputs: Sequence[torch.Tensor] = (),
+            outputs: Sequence[torch.Tensor] = (), redop: ReduceOp | None = None) -> Work | None:
         """Runs a collective: inline when nothing is queued and the caller waits,
-        else on the group's comm thread after everything launched before it."""
+        else on the group's comm thread after everything launched before it.
+        `inputs`, `outputs` and `redop` describe it to the flight recorder and
+        the profiler ([Note: flight recorder], [Note: profiler events])."""
         inline = self._enter(op, async_op)
+        entry = self.recorder and self.recorder.record(op, inputs, outputs, redop, "started" if inline else "queued")
+        event = profiling.Event(op, inputs, seq=entry[recorder_mod.SEQ] if entry else 0, group_size=self.world_size) \
+            if profiling.active() else None
         if inline:
             try:
                 fn()
-            except RuntimeError as err:
-                raise self.explain(err) from None
+            except Exception as err:
+                raise self.failed(entry, err) from None
             finally:
                 self._leave()
+                if event is not None:
+                    event.end()
+            if entry is not None:
+                recorder_mod.completed(entry)
             return None
+        work = self._submit(op, fn, entry, event)
+        if not async_op:
+            work.wait()
+            return None
+        return work
+
+    def _submit(self, op: str, fn: Callable[[], None], entry: list | None, event: profiling.Event | None) -> Work:
+        """Queues `fn` on the comm thread; its entry and event follow it there."""
         timing: list[float] = []
 
         def timed() -> None:
             self._comm_thread = threading.get_ident()
             timing.append(time.perf_counter())
+            if entry is not None:
+                recorder_mod.started(entry)
             try:
                 if self._state is GroupState.ABORTED:
                     raise RuntimeError(f"{op}: rank {self.rank}: aborted before it started ({self!r})")
                 fn()
+            except BaseException as err:
+                self.failed(entry, err)
+                raise
             finally:
                 timing.append(time.perf_counter())
+                if event is not None:
+                    event.end()
+            if entry is not None:
+                recorder_mod.completed(entry)
 
         with self._lock:
             if self._executor is None:
@@ -106,11 +139,17 @@ class Group:
             self._last = future
             self.lean_handle = None
         future.add_done_callback(self._finished)
-        work = Work(future, op, self.rank, timing)
-        if not async_op:
-            work.wait()
-            return None
-        return work
+        return Work(future, op, self.rank, timing)
+
+    def failed(self, entry: list | None, err: BaseException) -> BaseException:
+        """Marks `entry` failed, dumps the flight recorder; returns `err` (explained)."""
+        if isinstance(err, RuntimeError):
+            err = self.explain(err)
+        if entry is not None:
+            recorder_mod.failed(entry, err)
+        if self.recorder is not None:
+            recorder_mod.dump(f"failed on group rank {self.rank}: {str(err).splitlines()[0][:200]}")
+        return err
 
     def explain(self, err: RuntimeError) -> RuntimeError:
         """`err` with the kernel thread ids the transport names (its check of

@@ -11,10 +11,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions
 
-from . import backend_ops, collectives
+from . import backend_ops, collectives, profiling, recorder
 from .backend_work import (accelerated_redop, accelerates, backend_work, finished_work, is_async, on_cuda, takes,
                            use_comm_thread, wait_forwarded)
 from .group import GroupOptions, create_group
+from .ops import ReduceOp
 
 BACKEND_NAME = "ringcomm"
 STORE_PREFIX = "ringcomm-backend/"
@@ -97,35 +98,40 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
                 and collectives.lean_all_reduce(tensors[0], redop, self._group)):
             return finished_work(tensors)
         if redop is None or not self._accelerates(tensors, strided=True):
-            return self._forward("allreduce", tensors, lambda b: b.allreduce(tensors, opts), opts)
-        return self._run("allreduce", backend_ops.all_reduce(self._transport, tensors, redop), opts, tensors)
+            return self._forward("allreduce", tensors, lambda b: b.allreduce(tensors, opts), opts, inputs=tensors)
+        return self._run("allreduce", backend_ops.all_reduce(self._transport, tensors, redop), opts, tensors,
+                         inputs=tensors, redop=redop)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         opts = opts or dist.AllreduceCoalescedOptions()
         redop = accelerated_redop(opts)
         if redop is None or not self._accelerates(tensors, strided=True):
-            return self._forward("allreduce_coalesced", tensors, lambda b: b.allreduce_coalesced(tensors, opts), opts)
-        return self._run("allreduce_coalesced", backend_ops.all_reduce(self._transport, tensors, redop), opts, tensors)
+            return self._forward("allreduce_coalesced", tensors, lambda b: b.allreduce_coalesced(tensors, opts),
+                                 opts, inputs=tensors)
+        return self._run("allreduce_coalesced", backend_ops.all_reduce(self._transport, tensors, redop), opts, tensors,
+                         inputs=tensors, redop=redop)
 
     def broadcast(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         if (isinstance(opts, dist.BroadcastOptions) and len(tensors) == 1 and takes(tensors[0], self._supports)
                 and 0 <= opts.rootRank < self._world_size):
             fn = partial(self._transport.broadcast, tensors[0], opts.rootRank)
-            return self._run_lean("broadcast", fn, opts, tensors)
+            return self._run_lean("broadcast", fn, opts, tensors, inputs=tensors)
         opts = opts or dist.BroadcastOptions()
         if not self._accelerates(tensors, strided=True):
-            return self._forward("broadcast", tensors, lambda b: b.broadcast(tensors, opts), opts)
+            return self._forward("broadcast", tensors, lambda b: b.broadcast(tensors, opts), opts, inputs=tensors)
         backend_ops.check_root("broadcast", opts.rootRank, self._rank, self._world_size)
-        return self._run("broadcast", backend_ops.broadcast(self._transport, tensors, opts.rootRank), opts, tensors)
+        return self._run("broadcast", backend_ops.broadcast(self._transport, tensors, opts.rootRank), opts, tensors,
+                         inputs=tensors)
 
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None) -> dist.Work:
         opts = opts or AllgatherOptions()
         flat = [t for outputs in output_lists for t in outputs] + list(inputs)
         if len(inputs) != 1 or not self._accelerates(flat) or not backend_ops.equal_numels(flat):
-            return self._forward("allgather", flat, lambda b: b.allgather(output_lists, inputs, opts), opts)
+            return self._forward("allgather", flat, lambda b: b.allgather(output_lists, inputs, opts), opts,
+                                 inputs=inputs)
         backend_ops.check_list("allgather", output_lists[0], self._rank, self._world_size)
         fn = backend_ops.all_gather_list(self._transport, output_lists[0], inputs[0])
-        return self._run("allgather", fn, opts, output_lists[0])
+        return self._run("allgather", fn, opts, output_lists[0], inputs=inputs)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> dist.Work:
         if (isinstance(opts, AllgatherOptions) and self._may_run_lean(opts)
@@ -138,9 +144,11 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         opts = opts or AllgatherOptions()
         if not self._accelerates_pairs(outputs, inputs):
             return self._forward("all_gather_single", outputs + inputs,
-                                 lambda b: backend_ops.forward_all_gather_single(b, outputs, inputs, opts), opts)
+                                 lambda b: backend_ops.forward_all_gather_single(b, outputs, inputs, opts), opts,
+                                 inputs=inputs)
         backend_ops.check_pairs("all_gather_single", outputs, inputs, self._rank, self._world_size, gather=True)
-        return self._run("all_gather_single", backend_ops.all_gather(self._transport, outputs, inputs), opts, outputs)
+        return self._run("all_gather_single", backend_ops.all_gather(self._transport, outputs, inputs), opts, outputs,
+                         inputs=inputs)
 
     def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
                        opts=None) -> dist.Work:
@@ -148,10 +156,12 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         redop = accelerated_redop(opts)
         flat = list(outputs) + [t for inputs in input_lists for t in inputs]
         if len(outputs) != 1 or redop is None or not self._accelerates(flat) or not backend_ops.equal_numels(flat):
-            return self._forward("reduce_scatter", flat, lambda b: b.reduce_scatter(outputs, input_lists, opts), opts)
+            return self._forward("reduce_scatter", flat, lambda b: b.reduce_scatter(outputs, input_lists, opts),
+                                 opts,
+                                 inputs=flat[len(outputs):])
         backend_ops.check_list("reduce_scatter", input_lists[0], self._rank, self._world_size)
         fn = backend_ops.reduce_scatter_list(self._transport, outputs[0], input_lists[0], redop)
-        return self._run("reduce_scatter", fn, opts, outputs)
+        return self._run("reduce_scatter", fn, opts, outputs, inputs=flat[1:], redop=redop)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> dist.Work:
         if isinstance(opts, dist.ReduceScatterOptions) and self._may_run_lean(opts):
@@ -166,10 +176,11 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         redop = accelerated_redop(opts)
         if redop is None or not self._accelerates_pairs(outputs, inputs):
             return self._forward("reduce_scatter_single", outputs + inputs,
-                                 lambda b: backend_ops.forward_reduce_scatter_single(b, outputs, inputs, opts), opts)
+                                 lambda b: backend_ops.forward_reduce_scatter_single(b, outputs, inputs, opts), opts,
+                                 inputs=inputs)
         backend_ops.check_pairs("reduce_scatter_single", outputs, inputs, self._rank, self._world_size, gather=False)
         fn = backend_ops.reduce_scatter(self._transport, outputs, inputs, redop)
-        return self._run("reduce_scatter_single", fn, opts, outputs)
+        return self._run("reduce_scatter_single", fn, opts, outputs, inputs=inputs, redop=redop)
 
     # torch <= 2.12 names of the same calls
     allgather_into_tensor_coalesced = all_gather_single_coalesced
@@ -184,29 +195,31 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     # ---- forwarded collectives (queued in order; see [Note: what runs where]) ----
     def gather(self, output_lists, inputs, opts=None) -> dist.Work:
         tensors = [t for outputs in output_lists for t in outputs] + list(inputs)
-        return self._forward("gather", tensors, lambda b: b.gather(output_lists, inputs, opts), opts)
+        return self._forward("gather", tensors, lambda b: b.gather(output_lists, inputs, opts), opts, inputs=inputs)
 
     def scatter(self, outputs, input_lists, opts=None) -> dist.Work:
         tensors = list(outputs) + [t for inputs in input_lists for t in inputs]
-        return self._forward("scatter", tensors, lambda b: b.scatter(outputs, input_lists, opts), opts)
+        return self._forward("scatter", tensors, lambda b: b.scatter(outputs, input_lists, opts), opts,
+                             inputs=tensors[len(outputs):] or outputs)
 
     def reduce(self, tensors, opts=None) -> dist.Work:
-        return self._forward("reduce", tensors, lambda b: b.reduce(tensors, opts), opts)
+        return self._forward("reduce", tensors, lambda b: b.reduce(tensors, opts), opts, inputs=tensors)
 
     def alltoall(self, outputs, inputs, opts=None) -> dist.Work:
         tensors = list(outputs) + list(inputs)
-        return self._forward("alltoall", tensors, lambda b: b.alltoall(outputs, inputs, opts), opts)
+        return self._forward("alltoall", tensors, lambda b: b.alltoall(outputs, inputs, opts), opts, inputs=inputs)
 
     def all_to_all_single(self, output, input, output_splits, input_splits, opts=None) -> dist.Work:
         return self._forward("all_to_all_single", [output, input],
-                             lambda b: b.alltoall_base(output, input, output_splits, input_splits, opts), opts)
+                             lambda b: b.alltoall_base(output, input, output_splits, input_splits, opts), opts,
+                             inputs=[input])
 
     alltoall_base = all_to_all_single
 
     def allgather_coalesced(self, output_lists, inputs, opts=None) -> dist.Work:
         tensors = [t for outputs in output_lists for t in outputs] + list(inputs)
         return self._forward("allgather_coalesced", tensors,
-                             lambda b: b.allgather_coalesced(output_lists, inputs, opts), opts)
+                             lambda b: b.allgather_coalesced(output_lists, inputs, opts), opts, inputs=inputs)
 
     # ---- lifetime: see [Note: group lifetime] in group.py ----
     def shutdown(self) -> None:
@@ -239,11 +252,15 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         return (len(outputs) == len(inputs) and self._accelerates(outputs + inputs)
                 and all(o.dtype == i.dtype for o, i in zip(outputs, inputs)))
 
-    def _run(self, op: str, fn: Callable[[], None], opts: object, value: object) -> dist.Work:
+    def _run(self, op: str, fn: Callable[[], None], opts: object, value: object, *,
+             inputs: Sequence[torch.Tensor] = (), redop: ReduceOp | None = None) -> dist.Work:
         """Runs `fn` inline when the caller waits (or see [Note: async calls]) and
-        nothing is queued, else on the group's comm thread, in launch order.
+        nothing is queued, else on the group's comm thread, in launch order; on
+        the comm thread always while a profiler records ([Note: profiler events]).
         Inline, the Work is a FinishedWork (see [Note: finished works])."""
-        return backend_work(self._group.run(op, fn, self._comm_thread and is_async(opts)), value)
+        on_thread = (self._comm_thread and is_async(opts)) or profiling.active()
+        return backend_work(self._group.run(op, fn, on_thread, inputs=inputs, outputs=_outputs(value), redop=redop),
+                            value)
 
     def _may_run_lean(self, opts: object) -> bool:
         """Whether a call with these options runs inline (see [Note: async calls]),
@@ -251,20 +268,24 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         path runs it only when the group takes lean calls (nothing queued)."""
         return not (self._comm_thread and opts.asyncOp)
 
-    def _run_lean(self, op: str, fn: Callable[[], None], opts: object, value: object) -> dist.Work:
+    def _run_lean(self, op: str, fn: Callable[[], None], opts: object, value: list[torch.Tensor], *,
+                  inputs: Sequence[torch.Tensor]) -> dist.Work:
         """_run for a transport call of the lean path: when it would run inline
         and the group takes lean calls, it runs here without Group.run's lock."""
         group = self._group
-        if group.lean_handle is None or not self._may_run_lean(opts):
-            return self._run(op, fn, opts, value)
+        if group.lean_handle is None or not self._may_run_lean(opts) or profiling.active():
+            return self._run(op, fn, opts, value, inputs=inputs)
+        entry = None if group.recorder is None else group.recorder.record(op, inputs, value, None, "started")
         try:
             fn()
-        except RuntimeError as err:
-            raise group.explain(err) from None
+        except Exception as err:
+            raise group.failed(entry, err) from None
+        if entry is not None:
+            recorder.completed(entry)
         return finished_work(value)
 
     def _forward(self, op: str, tensors: Sequence[torch.Tensor], call: Callable[[dist.ProcessGroup], dist.Work],
-                 opts: object, value: object = None) -> dist.Work:
+                 opts: object, value: object = None, *, inputs: Sequence[torch.Tensor] = ()) -> dist.Work:
         """Runs `call` on the internal NCCL backend (CUDA tensors) or gloo backend."""
         if on_cuda(tensors):
             if self._nccl is None:
@@ -274,7 +295,12 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         def body() -> None:
             wait_forwarded(call(self._gloo), op, self._rank, self._timeout_s)
 
-        return self._run(op, body, opts, list(tensors) if value is None else value)
+        return self._run(op, body, opts, list(tensors) if value is None else value, inputs=inputs)
+
+
+def _outputs(value: object) -> Sequence[torch.Tensor]:
+    """The output tensors in a Work's value (a list of them, or nothing)."""
+    return value if isinstance(value, list) else ()
 
 
 def _nccl_backend(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> dist.ProcessGroup | None:

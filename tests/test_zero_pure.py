@@ -165,17 +165,17 @@ def test_keys_without_effect_warn_once_when_they_ask_for_something() -> None:
     """Each key of the one table warns (once) when its value asks for what zero does
     not do, and stays quiet when it asks for what zero does anyway."""
     asking = {"zero_optimization": {"reduce_scatter": False, "contiguous_gradients": False, "stage": 2},
-              "prescale_gradients": True, "tensorboard": {"enabled": True}, "steps_per_print": 10}
+              "prescale_gradients": True, "flops_profiler": {"enabled": True}, "dump_state": True}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")
         cfg.parse(asking, FACTS)
         cfg.parse(asking, FACTS)  # once per key and process
     said = sorted(str(w.message).split("=")[0].removeprefix("zero config: ") for w in caught
                   if issubclass(w.category, NoEffectWarning))
-    assert said == ["prescale_gradients", "steps_per_print", "tensorboard", "zero_optimization.contiguous_gradients",
+    assert said == ["dump_state", "flops_profiler", "prescale_gradients", "zero_optimization.contiguous_gradients",
                     "zero_optimization.reduce_scatter"], said
     quiet = {"zero_optimization": {"reduce_scatter": True, "contiguous_gradients": True, "stage": 2},
-             "prescale_gradients": False, "tensorboard": {"enabled": False}}
+             "prescale_gradients": False, "flops_profiler": {"enabled": False}}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         cfg.parse(quiet, FACTS)

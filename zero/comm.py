@@ -12,6 +12,9 @@ import torch.distributed as dist
 
 import ringcomm  # noqa: F401  (registers the torch.distributed backend "ringcomm")
 
+from .monitor import comms
+from .monitor.comms import log_summary  # noqa: F401  (deepspeed.comm.log_summary)
+
 ReduceOp = dist.ReduceOp  # DeepSpeed's ReduceOp has the same members and maps onto this one
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 
@@ -86,12 +89,26 @@ def get_backend(group: dist.ProcessGroup | None = None) -> str:
     return dist.get_backend(group)
 
 
+def configure(enabled: bool | None = None, prof_all: bool | None = None, prof_ops: list[str] | None = None,
+              verbose: bool | None = None, debug: bool | None = None) -> None:
+    """deepspeed.comm.configure: the comms logger's settings ([Note: comms logger])."""
+    for name, value in (("enabled", enabled), ("prof_all", prof_all), ("prof_ops", prof_ops), ("verbose", verbose),
+                        ("debug", debug)):
+        if value is not None:
+            setattr(comms.LOGGER, name, value)
+
+
+def reset_log() -> None:
+    """deepspeed.comm.reset_log: forgets what the comms logger recorded."""
+    comms.LOGGER.records.clear()
+
+
 def barrier(group: dist.ProcessGroup | None = None, async_op: bool = False, device_ids: list[int] | None = None):
-    return dist.barrier(group, async_op, device_ids)
+    return comms.timed("barrier", 0, dist.barrier, group, async_op, device_ids)
 
 
 def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group: dist.ProcessGroup | None = None, async_op: bool = False):
-    return dist.all_reduce(tensor, op, group, async_op)
+    return comms.timed("all_reduce", comms.nbytes(tensor), dist.all_reduce, tensor, op, group, async_op)
 
 
 def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group: dist.ProcessGroup | None = None,
@@ -100,7 +117,7 @@ def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group: dist.ProcessG
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, async_op: bool = False):
-    return dist.broadcast(tensor, src, group, async_op)
+    return comms.timed("broadcast", comms.nbytes(tensor), dist.broadcast, tensor, src, group, async_op)
 
 
 def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
@@ -112,14 +129,16 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
                            group: dist.ProcessGroup | None = None, async_op: bool = False):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        return dist.all_gather_into_tensor(output_tensor, input_tensor, group, async_op)
+        return comms.timed("all_gather_into_tensor", comms.nbytes(input_tensor), dist.all_gather_into_tensor,
+                           output_tensor, input_tensor, group, async_op)
 
 
 def reduce_scatter_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, op=ReduceOp.SUM,
                           group: dist.ProcessGroup | None = None, async_op: bool = False):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op, group, async_op)
+        return comms.timed("reduce_scatter_tensor", comms.nbytes(input_tensor), dist.reduce_scatter_tensor,
+                           output_tensor, input_tensor, op, group, async_op)
 
 
 def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, output_split_sizes=None, input_split_sizes=None,

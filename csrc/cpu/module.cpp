@@ -16,6 +16,7 @@
 #include "shm.h"
 #include "shm_map.h"
 #include "shm_plan.h"
+#include "trace.h"
 
 namespace py = pybind11;
 using ringcomm::OpDesc;
@@ -62,6 +63,7 @@ ShmConfig make_config(int64_t slot_nbytes, int num_slots, int64_t oneshot_max_nb
 PYBIND11_MODULE(_C, m) {
   m.doc() = "ringcomm C++ kernels and shared-memory transport";
   ringcomm::add_lean_functions(m);
+  ringcomm::add_trace_functions(m);
   py::call_guard<py::gil_scoped_release> no_gil;
   m.def("reduce_n", &reduce_n, "dst = srcs[0] op srcs[1] op ...", py::arg("dst"), py::arg("srcs"), py::arg("numel"),
         py::arg("dtype"), py::arg("op"), py::arg("divisor") = 1, no_gil);

@@ -206,10 +206,14 @@ PyObject* all_reduce_tensor(PyObject*, PyObject* const* args, Py_ssize_t nargs) 
   const double timeout_s = PyFloat_AsDouble(args[3]);
   if (timeout_s == -1.0 && PyErr_Occurred()) return nullptr;
   const int64_t numel = tensor.nbytes / element_nbytes(to_dtype(tensor.dtype));
-  if (!run_released([&] {
-        comm->all_reduce(Output{tensor.ptr}, Input{tensor.ptr}, numel, tensor.dtype, static_cast<int>(op), timeout_s);
-      }))
-    return nullptr;
+  TraceRing& trace = comm->trace();
+  const int64_t slot = trace.begin(static_cast<int32_t>(OpKind::kAllReduce), tensor.dtype, static_cast<int32_t>(op),
+                                   numel, numel);
+  const bool ok = run_released([&] {
+    comm->all_reduce(Output{tensor.ptr}, Input{tensor.ptr}, numel, tensor.dtype, static_cast<int>(op), timeout_s);
+  });
+  trace.end(slot, ok);
+  if (!ok) return nullptr;
   Py_RETURN_TRUE;
 }
 
@@ -231,15 +235,21 @@ PyObject* pair_call(const char* name, PyObject* const* args, Py_ssize_t nargs) {
   const double timeout_s = PyFloat_AsDouble(args[num_args - 1]);
   if (timeout_s == -1.0 && PyErr_Occurred()) return nullptr;
   const int64_t chunk_numel = small.nbytes / element_nbytes(to_dtype(small.dtype));
-  if (!run_released([&] {
-        if (gather) {
-          comm->all_gather(Output{output.ptr}, Input{input.ptr}, chunk_numel, input.dtype, timeout_s);
-        } else {
-          comm->reduce_scatter(Output{output.ptr}, Input{input.ptr}, chunk_numel, input.dtype, static_cast<int>(op),
-                               timeout_s);
-        }
-      }))
-    return nullptr;
+  const int64_t input_numel = gather ? chunk_numel : chunk_numel * comm->world_size();
+  const int64_t output_numel = gather ? chunk_numel * comm->world_size() : chunk_numel;
+  TraceRing& trace = comm->trace();
+  const int64_t slot = trace.begin(static_cast<int32_t>(gather ? OpKind::kAllGather : OpKind::kReduceScatter),
+                                   input.dtype, gather ? -1 : static_cast<int32_t>(op), input_numel, output_numel);
+  const bool ok = run_released([&] {
+    if (gather) {
+      comm->all_gather(Output{output.ptr}, Input{input.ptr}, chunk_numel, input.dtype, timeout_s);
+    } else {
+      comm->reduce_scatter(Output{output.ptr}, Input{input.ptr}, chunk_numel, input.dtype, static_cast<int>(op),
+                           timeout_s);
+    }
+  });
+  trace.end(slot, ok);
+  if (!ok) return nullptr;
   Py_RETURN_TRUE;
 }
 

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common.h"
+#include "trace.h"
 
 namespace ringcomm {
 
@@ -147,6 +148,8 @@ class ShmComm {
   int rank() const { return rank_; }
   int world_size() const { return world_size_; }
   uint64_t rounds() const { return seq_; }
+  // The flight recorder's ring of lean calls (trace.h).
+  TraceRing& trace() { return trace_; }
 
  private:
   // One round: acquire_slot() -> write my slot -> post() -> wait_posted() ->
@@ -208,6 +211,7 @@ class ShmComm {
   int64_t mapped_nbytes_ = 0;
   uint64_t pid_ns_ = 0;  // this process's pid namespace, as in RankHeader
   uint64_t seq_ = 0;  // rounds this rank has posted
+  TraceRing trace_;
   // Registered and erased from Python (a tensor's finalizer, any thread); read by
   // the op in flight, which holds windows_mutex_ from its first round to its
   // end whenever a window exists, so a window is never unmapped under it.

@@ -8,6 +8,8 @@ import os
 import warnings
 from dataclasses import dataclass, field
 
+from ..monitor.config import MonitoringConfig
+from ..monitor.config import parse as parse_monitoring
 from ..sharding.policy import STAGES, ShardingPolicy
 from .no_effect import warn_no_effect
 from .precision import ScalerOptions
@@ -17,9 +19,10 @@ TOP_KEYS = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
     "fp16", "bf16", "optimizer", "scheduler", "zero_allow_untested_optimizer", "zero_optimization",
     "activation_checkpointing", "comm_backend",
-    # accepted with no effect here (logging and knobs of DeepSpeed's own runtime): see no_effect.py
-    "steps_per_print", "wall_clock_breakdown", "prescale_gradients", "gradient_predivide_factor",
-    "communication_data_type", "dump_state", "tensorboard", "wandb", "csv_monitor", "flops_profiler",
+    "comms_logger", "steps_per_print", "wall_clock_breakdown", "tensorboard", "wandb", "csv_monitor",  # ..monitor
+    # accepted with no effect here (knobs of DeepSpeed's own runtime): see no_effect.py
+    "prescale_gradients", "gradient_predivide_factor",
+    "communication_data_type", "dump_state", "flops_profiler",
     "memory_breakdown", "zero_force_ds_cpu_optimizer", "seed", "aio",
 }
 ZERO_KEYS = {
@@ -139,6 +142,7 @@ class EngineConfig:
     activation_checkpointing: dict | None = None  # validated section, for the engine's own checkpointing
     comm_backend: str | None = None  # "ringcomm" | "torch"
     aio: AioOptions = field(default_factory=AioOptions)
+    monitoring: MonitoringConfig = field(default_factory=MonitoringConfig)  # zero/monitor
 
 
 def load(config: str | os.PathLike | dict) -> dict:
@@ -390,6 +394,7 @@ def parse(config: str | os.PathLike | dict, facts: ModelFacts) -> EngineConfig:
         optimizer=_optimizer(raw.get("optimizer")), scheduler=_scheduler(raw.get("scheduler")),
         allow_untested_optimizer=_bool(raw.get("zero_allow_untested_optimizer", False),
                                        "zero_allow_untested_optimizer"),
-        activation_checkpointing=checkpointing, comm_backend=backend, aio=_aio(raw.get("aio")))
+        activation_checkpointing=checkpointing, comm_backend=backend, aio=_aio(raw.get("aio")),
+        monitoring=parse_monitoring(raw))
     warn_no_effect(raw)  # once every value is validated
     return parsed

@@ -15,6 +15,8 @@ from torch.utils._pytree import tree_map
 from ..activation import checkpointing
 from ..checkpoint import load as checkpoint_load
 from ..checkpoint import save as checkpoint_save
+from ..monitor import comms
+from ..monitor.step_log import StepLog
 from ..sharding.accounting import MemoryReport, memory_report
 from ..sharding.gather import ModuleGatherer
 from ..sharding.param_group import ParamGroup
@@ -91,6 +93,8 @@ class ZeroEngine:
         self._global_grad_norm: float | None = None
         self._step_applied = False
         self._destroyed = False
+        comms.LOGGER.configure(parts.config.monitoring.comms_logger)
+        self.step_log = StepLog(parts.config.monitoring, self.global_rank)
 
     global_steps = _progress("global_steps")
     global_samples = _progress("global_samples")
@@ -110,6 +114,7 @@ class ZeroEngine:
             return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
         args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
         with contextlib.ExitStack() as scope:
+            scope.enter_context(self.step_log.timed("forward"))
             if self.parts.activation is not None:
                 scope.enter_context(checkpointing.active(self.parts.activation))
             if gatherer is not None:
@@ -123,7 +128,9 @@ class ZeroEngine:
         self._check_alive("backward")
         scale = self.parts.scaler.scale / self.gradient_accumulation_steps()
         reduce = self.is_gradient_accumulation_boundary() and not self._inside_no_sync
-        self.parts.group.reduce_grads(loss.float() * scale, reduce)
+        self.step_log.loss(loss)
+        with self.step_log.timed("backward"):
+            self.parts.group.reduce_grads(loss.float() * scale, reduce)
         return loss
 
     def step(self) -> None:
@@ -132,14 +139,22 @@ class ZeroEngine:
         if self._inside_no_sync:
             raise RuntimeError("zero: engine.step() inside no_sync(): leave the context first (as DeepSpeed)")
         if self.is_gradient_accumulation_boundary():
-            self._step_applied = self._take_step()
-            if self._step_applied and self.lr_scheduler is not None:
-                self.lr_scheduler.step()
+            with self.step_log.timed("step"):
+                self._step_applied = self._take_step()
+                if self._step_applied and self.lr_scheduler is not None:
+                    self.lr_scheduler.step()
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             self.last_step_sent_nbytes = self.parts.comm.sent_nbytes
             self.parts.comm.sent_nbytes = 0
+            self._log_step()
         self.micro_steps += 1
+
+    def _log_step(self) -> None:
+        group = self.optimizer.param_groups[0]
+        self.step_log.boundary(step=self.global_steps, samples=self.global_samples, skipped=self.skipped_steps,
+                               lr=group["lr"], mom=group.get("betas", group.get("momentum")),
+                               loss_scale=self.parts.scaler.scale if self.fp16_enabled() else None)
 
     def _take_step(self) -> bool:
         """Returns False when fp16 overflowed and the step was skipped."""
@@ -173,6 +188,7 @@ class ZeroEngine:
             if self.parts.gatherer is not None:
                 self.parts.gatherer.remove()
             self.parts.group.close()
+            self.step_log.close()
         finally:
             self.parts.comm.close()
 

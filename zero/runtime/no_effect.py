@@ -27,13 +27,8 @@ def _never(value: object) -> bool:
 
 # dotted key -> (whether the value asks for nothing beyond what zero does, why the key has no effect)
 NO_EFFECT: dict[str, tuple[Callable[[object], bool], str]] = {
-    "steps_per_print": (_never, "zero prints no progress lines (log the engine's losses yourself)"),
-    "wall_clock_breakdown": (_is(False), "zero records no wall-clock breakdown"),
     "memory_breakdown": (_is(False), "zero prints no memory breakdown (engine.memory_report() has it)"),
     "dump_state": (_is(False), "zero does not dump its state at start-up"),
-    "tensorboard": (_disabled, "zero writes no TensorBoard events"),
-    "wandb": (_disabled, "zero logs nothing to Weights & Biases"),
-    "csv_monitor": (_disabled, "zero writes no CSV monitor files"),
     "flops_profiler": (_disabled, "zero has no FLOPs profiler"),
     "prescale_gradients": (_is(False), "gradients are averaged once, after the reduction"),
     "gradient_predivide_factor": (_is(1.0), "gradients are averaged once, after the reduction"),

@@ -1,0 +1,241 @@
+"""The flight recorder: per group, the last N collectives (sequence number, op,
+sizes, dtype, reduce op, transport, state, times), dumped one JSON file per
+rank when a collective fails, on a signal, or on request (ringcomm.dump_trace).
+
+[Note: flight recorder]
+    RINGCOMM_TRACE_BUFFER_SIZE=N  entries kept per group (default 64; 0: off)
+    RINGCOMM_TRACE_DIR=DIR        where dumps go (default: <tmp>/ringcomm-trace-<uid>)
+    RINGCOMM_TRACE_STACKS=1       record the Python stack of every call (costly)
+    RINGCOMM_TRACE_SIGNAL=USR1    dump when the process gets this signal
+An entry is a list (cheap to make on the lean path) whose fields are ENTRY_FIELDS;
+it is written when the call is made (state queued, or started when it runs
+inline) and updated as it starts, completes or fails. Every group of a rank goes
+into that rank's one file, `ringcomm_trace_rank_<global rank>.json`, rewritten at
+each dump. The entries carry torch's flight recorder field names (collective_seq_id,
+profiling_name, input_sizes, ...); torch's analyzer reads pickles only, and
+`python -m ringcomm.trace DIR` reads these files. Recorders are listed in a weak
+set so that a signal or dump_trace() reaches every live group of the process.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import socket
+import tempfile
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Sequence
+
+import torch
+
+from . import _C
+from .ops import DTYPE_CODES, OP_KINDS, ReduceOp
+from .profiling import event_name
+
+DEFAULT_BUFFER_SIZE = 64
+VERSION = "ringcomm-trace-1"
+FILE_PREFIX = "ringcomm_trace_rank_"
+
+# Fields of an entry, in order.
+SEQ, OP, INPUTS, OUTPUTS, DTYPE, REDOP, STATE, CREATED, STARTED, COMPLETED, ERROR, FRAMES = range(12)
+
+_recorders: weakref.WeakSet[FlightRecorder] = weakref.WeakSet()
+# The n-th group this process made: ranks make their groups in the same order,
+# so n names the same group in every rank's dump.
+_group_ids = itertools.count()
+
+
+def buffer_size() -> int:
+    """RINGCOMM_TRACE_BUFFER_SIZE, checked."""
+    text = os.environ.get("RINGCOMM_TRACE_BUFFER_SIZE", str(DEFAULT_BUFFER_SIZE))
+    try:
+        size = int(text)
+    except ValueError:
+        raise ValueError(f"ringcomm: RINGCOMM_TRACE_BUFFER_SIZE={text!r} is not an integer") from None
+    if size < 0:
+        raise ValueError(f"ringcomm: RINGCOMM_TRACE_BUFFER_SIZE={size} must be >= 0")
+    return size
+
+
+def trace_dir() -> str:
+    return os.environ.get("RINGCOMM_TRACE_DIR") or os.path.join(tempfile.gettempdir(), f"ringcomm-trace-{os.getuid()}")
+
+
+def for_group(rank: int, world_size: int, global_ranks: tuple[int, ...], transport: str, timeout_s: float,
+              handle: object | None) -> FlightRecorder | None:
+    """A group's recorder, or None when RINGCOMM_TRACE_BUFFER_SIZE=0. `handle`:
+    the transport's lean handle (its lean calls are recorded in C++), or None."""
+    capacity = buffer_size()
+    if capacity == 0:
+        return None
+    recorder = FlightRecorder(capacity, rank=rank, world_size=world_size, global_ranks=global_ranks,
+                              transport=transport, handle=handle)
+    recorder.timeout_s = timeout_s
+    return recorder
+
+
+class FlightRecorder:
+    """The last `capacity` collectives of one group, newest last."""
+
+    def __init__(self, capacity: int, *, rank: int, world_size: int, global_ranks: tuple[int, ...],
+                 transport: str, handle: object | None) -> None:
+        assert capacity > 0
+        self.capacity = capacity
+        self.group_id = next(_group_ids)
+        self._seq = 0  # of the last call recorded here, where no handle numbers them
+        self._handle = handle
+        if handle is not None:
+            _C._trace_resize(handle, capacity)
+        self._ring: list[list | None] = [None] * capacity
+        self.rank, self.world_size, self.global_ranks, self.transport = rank, world_size, global_ranks, transport
+        self.stacks = os.environ.get("RINGCOMM_TRACE_STACKS") == "1"
+        self.timeout_s = 0.0
+        _recorders.add(self)
+        watch_signal()
+
+    def record(self, op: str, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
+               redop: ReduceOp | None, state: str) -> list:
+        """A new entry; of `inputs` and `outputs` only their shapes and dtype are kept."""
+        if self._handle is not None:
+            seq = _C._trace_next_seq(self._handle)
+        else:
+            self._seq = seq = self._seq + 1
+        now = time.time_ns()
+        dtype = inputs[0].dtype if inputs else outputs[0].dtype if outputs else None
+        entry = [seq, op, [t.shape for t in inputs], [t.shape for t in outputs], dtype, redop, state, now,
+                 now if state == "started" else 0, 0, "", None]
+        if self.stacks:
+            entry[FRAMES] = traceback.format_stack(limit=24)[:-2]
+        self._ring[seq % self.capacity] = entry
+        return entry
+
+    def entries(self) -> list[dict]:
+        """The last `capacity` calls, oldest first: those recorded here and the
+        lean calls the C++ part recorded."""
+        entries = [_entry_dict(e, self.transport) for e in self._ring if e is not None]
+        if self._handle is not None:
+            entries += [_lean_entry_dict(e, self.transport) for e in _C._trace_entries(self._handle)]
+        entries.sort(key=lambda e: e["collective_seq_id"])
+        return entries[-self.capacity:]
+
+    def snapshot(self) -> dict:
+        return {"group_id": self.group_id, "rank": self.rank, "world_size": self.world_size,
+                "global_ranks": list(self.global_ranks), "transport": self.transport, "timeout_s": self.timeout_s,
+                "entries": self.entries()}
+
+
+def started(entry: list) -> None:
+    entry[STATE], entry[STARTED] = "started", time.time_ns()
+
+
+def completed(entry: list) -> None:
+    entry[STATE], entry[COMPLETED] = "completed", time.time_ns()
+
+
+def failed(entry: list, error: BaseException) -> None:
+    entry[STATE], entry[COMPLETED], entry[ERROR] = "failed", time.time_ns(), str(error).splitlines()[0][:500]
+
+
+def _shapes(shapes: list[torch.Size]) -> list[list[int]]:
+    return [list(s) for s in shapes]
+
+
+def _entry_dict(e: list, transport: str) -> dict:
+    dtype = "" if e[DTYPE] is None else str(e[DTYPE]).removeprefix("torch.")
+    inputs, outputs = _shapes(e[INPUTS]), _shapes(e[OUTPUTS])
+    return {"record_id": e[SEQ], "collective_seq_id": e[SEQ], "profiling_name": event_name(e[OP]),
+            "input_sizes": inputs, "input_dtypes": [dtype] * len(inputs), "output_sizes": outputs,
+            "output_dtypes": [dtype] * len(outputs), "reduce_op": None if e[REDOP] is None else e[REDOP].name,
+            "transport": transport, "state": e[STATE], "time_created_ns": e[CREATED],
+            "time_discovered_started_ns": e[STARTED] or None, "time_discovered_completed_ns": e[COMPLETED] or None,
+            "error": e[ERROR], "frames": e[FRAMES] or []}
+
+
+_KIND_NAMES = {code: name for name, code in OP_KINDS.items()}
+_DTYPE_NAMES = {code: str(dtype).removeprefix("torch.") for dtype, code in DTYPE_CODES.items()}
+_LEAN_STATES = {1: "started", 2: "completed", 3: "failed"}
+
+
+def _lean_entry_dict(e: tuple, transport: str) -> dict:
+    """An entry of the C++ part: (seq, kind, dtype, redop, state, input_numel, output_numel, started_ns, ended_ns)."""
+    seq, kind, dtype, redop, state, input_numel, output_numel, started_ns, ended_ns = e
+    return {"record_id": seq, "collective_seq_id": seq, "profiling_name": event_name(_KIND_NAMES[kind]),
+            "input_sizes": [[input_numel]], "input_dtypes": [_DTYPE_NAMES[dtype]], "output_sizes": [[output_numel]],
+            "output_dtypes": [_DTYPE_NAMES[dtype]], "reduce_op": ReduceOp(redop).name if redop >= 0 else None,
+            "transport": transport, "state": _LEAN_STATES[state], "time_created_ns": started_ns,
+            "time_discovered_started_ns": started_ns, "time_discovered_completed_ns": ended_ns or None,
+            "error": "", "frames": []}
+
+
+def dump(reason: str, directory: str | None = None) -> str | None:
+    """Writes this rank's file with every live group's entries; returns its path
+    (None when no group records). Never raises: it runs on error paths."""
+    recorders = [r for r in list(_recorders)]
+    if not recorders:
+        return None
+    try:
+        import torch.distributed as dist
+        rank = dist.get_rank() if dist.is_initialized() else recorders[0].global_ranks[recorders[0].rank]
+        world_size = dist.get_world_size() if dist.is_initialized() else recorders[0].world_size
+        directory = directory or trace_dir()
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        payload = {"version": VERSION, "rank": rank, "world_size": world_size, "pid": os.getpid(),
+                   "hostname": socket.gethostname(), "reason": reason, "time_ns": time.time_ns(),
+                   "groups": [r.snapshot() for r in sorted(recorders, key=lambda r: r.group_id)]}
+        path = os.path.join(directory, f"{FILE_PREFIX}{rank}.json")
+        scratch = f"{path}.{os.getpid()}.tmp"
+        with open(scratch, "w") as out:
+            json.dump(payload, out, indent=1)
+        os.replace(scratch, path)
+        return path
+    except Exception as err:  # a dump must not hide the failure that caused it
+        print(f"ringcomm: flight recorder dump failed: {err!r}", flush=True)
+        return None
+
+
+# [Note: dump on a signal] The signal's Python handler does nothing itself: it
+# runs only when the main thread gets back to Python, and a stuck collective
+# waits in C++. Python's C-level handler also writes the signal number to the
+# wakeup fd, which a daemon thread reads, and that thread dumps. Where someone
+# else (asyncio) owns the wakeup fd, the handler dumps when the main thread
+# next runs Python.
+_watching: list[int] = []  # the signal watched, once installed
+
+
+def watch_signal() -> None:
+    """Installs RINGCOMM_TRACE_SIGNAL's dump (see [Note: dump on a signal]); from
+    the main thread only (Python's rule for signal handlers), once."""
+    name = os.environ.get("RINGCOMM_TRACE_SIGNAL", "")
+    if not name or _watching or threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        signum = signal.Signals["SIG" + name.upper().removeprefix("SIG")]
+    except KeyError:
+        raise ValueError(f"ringcomm: RINGCOMM_TRACE_SIGNAL={name!r} is not a signal name (e.g. USR1)") from None
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.signal(signum, lambda *_: None)
+    previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    if previous != -1:
+        signal.set_wakeup_fd(previous)
+        os.close(read_fd), os.close(write_fd)
+        signal.signal(signum, lambda *_: dump(f"signal {signum.name}"))
+    else:
+        threading.Thread(target=_watch, args=(read_fd, signum), name="ringcomm-trace-signal", daemon=True).start()
+    _watching.append(signum)
+
+
+def _watch(read_fd: int, signum: signal.Signals) -> None:
+    while True:
+        if signum in os.read(read_fd, 64):
+            dump(f"signal {signum.name}")
+
+
+def dump_trace(directory: str | None = None) -> str | None:
+    """Writes this rank's flight recorder file now (RINGCOMM_TRACE_DIR, or
+    `directory`); returns its path, None when no group records."""
+    return dump("ringcomm.dump_trace()", directory)

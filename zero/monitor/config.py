@@ -1,0 +1,71 @@
+"""The DeepSpeed config sections of zero's logging, parsed and checked:
+comms_logger, csv_monitor, tensorboard, wandb, wall_clock_breakdown and
+steps_per_print, with DeepSpeed's defaults."""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+COMMS_KEYS = {"enabled", "verbose", "prof_all", "prof_ops", "debug"}
+MONITOR_KEYS = {"csv_monitor": {"enabled", "output_path", "job_name"},
+                "tensorboard": {"enabled", "output_path", "job_name"},
+                "wandb": {"enabled", "group", "team", "project"}}
+DEFAULT_JOB_NAME = "DeepSpeedJobName"
+
+
+@dataclass(frozen=True, slots=True)
+class MonitorOptions:
+    """One monitor: enabled, where (csv_monitor, tensorboard) or which project (wandb)."""
+
+    enabled: bool = False
+    output_path: str = ""  # csv_monitor / tensorboard: files go to output_path/job_name
+    job_name: str = DEFAULT_JOB_NAME
+    project: str = "deepspeed"  # wandb
+    group: str | None = None
+    team: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MonitoringConfig:
+    comms_logger: dict = field(default_factory=dict)  # the section as given: CommsLogger.configure reads it
+    csv_monitor: MonitorOptions = field(default_factory=MonitorOptions)
+    tensorboard: MonitorOptions = field(default_factory=MonitorOptions)
+    wandb: MonitorOptions = field(default_factory=MonitorOptions)
+    wall_clock_breakdown: bool = False  # print forward / backward / step times every steps_per_print steps
+    steps_per_print: int | None = None  # DeepSpeed's progress line every N steps (None: never)
+
+
+def _section(raw: dict, key: str, known: set[str]) -> dict:
+    section = raw.get(key, {})
+    if not isinstance(section, dict):
+        raise ValueError(f"zero config: {key} must be an object, got {section!r}")
+    for name in section:
+        if name not in known:
+            warnings.warn(f"zero config: unknown key {key}.{name!r} ignored", stacklevel=4)
+    for flag in ("enabled", "verbose", "prof_all", "debug"):
+        if flag in section and not isinstance(section[flag], bool):
+            raise ValueError(f"zero config: {key}.{flag} must be true or false, got {section[flag]!r}")
+    return section
+
+
+def _monitor(raw: dict, key: str) -> MonitorOptions:
+    section = _section(raw, key, MONITOR_KEYS[key])
+    options = MonitorOptions(**{name: section[name] for name in MONITOR_KEYS[key] if name in section})
+    if key != "wandb" and not isinstance(options.output_path, str):
+        raise ValueError(f"zero config: {key}.output_path must be a string, got {options.output_path!r}")
+    return options
+
+
+def parse(raw: dict) -> MonitoringConfig:
+    comms = _section(raw, "comms_logger", COMMS_KEYS)
+    if not isinstance(comms.get("prof_ops", []), list):
+        raise ValueError(f"zero config: comms_logger.prof_ops must be a list of op names, got {comms['prof_ops']!r}")
+    breakdown = raw.get("wall_clock_breakdown", False)
+    if not isinstance(breakdown, bool):
+        raise ValueError(f"zero config: wall_clock_breakdown must be true or false, got {breakdown!r}")
+    every = raw.get("steps_per_print")
+    if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
+        raise ValueError(f"zero config: steps_per_print must be an integer >= 1, got {every!r}")
+    return MonitoringConfig(comms_logger=dict(comms), csv_monitor=_monitor(raw, "csv_monitor"),
+                            tensorboard=_monitor(raw, "tensorboard"), wandb=_monitor(raw, "wandb"),
+                            wall_clock_breakdown=breakdown, steps_per_print=every)
