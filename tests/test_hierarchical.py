@@ -172,7 +172,9 @@ def die_between_levels(rank, world_size, hosts):
 
 def test_dead_peer_between_levels_fails_every_rank():
     messages = run_ranks(die_between_levels, 4, INTERLEAVED, may_die=frozenset({1}), timeout=60)
-    assert "aborted the group" in messages[2], messages[2]  # told by rank 0 through the shm segment
+    # told by rank 0: its abort through the shm segment, or (a pipelined call's
+    # cross-host piece already under way) its report, which rank 2 reads
+    assert "aborted the group" in messages[2] or "rank 0 at step" in messages[2], messages[2]
 
 
 def test_placement_and_auto_choice_are_pure():
