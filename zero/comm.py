@@ -104,11 +104,11 @@ def reset_log() -> None:
 
 
 def barrier(group: dist.ProcessGroup | None = None, async_op: bool = False, device_ids: list[int] | None = None):
-    return comms.timed("barrier", 0, dist.barrier, group, async_op, device_ids)
+    return comms.timed("barrier", None, dist.barrier, group, async_op, device_ids)
 
 
 def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group: dist.ProcessGroup | None = None, async_op: bool = False):
-    return comms.timed("all_reduce", comms.nbytes(tensor), dist.all_reduce, tensor, op, group, async_op)
+    return comms.timed("all_reduce", tensor, dist.all_reduce, tensor, op, group, async_op)
 
 
 def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group: dist.ProcessGroup | None = None,
@@ -117,7 +117,7 @@ def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group: dist.ProcessG
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, async_op: bool = False):
-    return comms.timed("broadcast", comms.nbytes(tensor), dist.broadcast, tensor, src, group, async_op)
+    return comms.timed("broadcast", tensor, dist.broadcast, tensor, src, group, async_op)
 
 
 def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
@@ -129,7 +129,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
                            group: dist.ProcessGroup | None = None, async_op: bool = False):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        return comms.timed("all_gather_into_tensor", comms.nbytes(input_tensor), dist.all_gather_into_tensor,
+        return comms.timed("all_gather_into_tensor", input_tensor, dist.all_gather_into_tensor,
                            output_tensor, input_tensor, group, async_op)
 
 
@@ -137,7 +137,7 @@ def reduce_scatter_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tenso
                           group: dist.ProcessGroup | None = None, async_op: bool = False):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        return comms.timed("reduce_scatter_tensor", comms.nbytes(input_tensor), dist.reduce_scatter_tensor,
+        return comms.timed("reduce_scatter_tensor", input_tensor, dist.reduce_scatter_tensor,
                            output_tensor, input_tensor, op, group, async_op)
 
 

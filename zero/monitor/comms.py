@@ -78,15 +78,17 @@ def bandwidths(name: str, msg_nbytes: int, latency_ms: float, world_size: int) -
     return algbw, algbw * (bus_factor(ring_op, world_size) if ring_op else 1.0)
 
 
-def timed(name: str, msg_nbytes: int, call, *args, **kwargs):
-    """Runs `call` and logs it when the logger wants `name` (see [Note: comms logger])."""
+def timed(name: str, message: object, call, *args, **kwargs):
+    """Runs `call` and logs it when the logger wants `name` (see [Note: comms
+    logger]); `message`, the tensor(s) whose bytes are its message size, is
+    sized only then."""
     if not LOGGER.wants(name):
         return call(*args, **kwargs)
     start = time.perf_counter()
     handle = call(*args, **kwargs)
     if handle is not None:
         handle.wait()
-    LOGGER.append(name, (time.perf_counter() - start) * 1e3, msg_nbytes, _world_size())
+    LOGGER.append(name, (time.perf_counter() - start) * 1e3, nbytes(message), _world_size())
     return handle
 
 

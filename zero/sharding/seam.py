@@ -57,7 +57,7 @@ class Comm:
             return _Done()
         async_op = async_op and self.overlap
         self.count("all_reduce", tensor)
-        return comms.timed("all_reduce", comms.nbytes(tensor), self._all_reduce, tensor, async_op)
+        return comms.timed("all_reduce", tensor, self._all_reduce, tensor, async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Handle:
         """Sum; output (maybe a view of input's own chunk) gets chunk `rank`."""
@@ -67,7 +67,7 @@ class Comm:
             return _Done()
         async_op = async_op and self.overlap
         self.count("reduce_scatter", input)
-        return comms.timed("reduce_scatter_tensor", comms.nbytes(input), self._reduce_scatter, output, input, async_op)
+        return comms.timed("reduce_scatter_tensor", input, self._reduce_scatter, output, input, async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Handle:
         if self.world_size == 1:
@@ -76,11 +76,11 @@ class Comm:
             return _Done()
         async_op = async_op and self.overlap
         self.count("all_gather", output)
-        return comms.timed("all_gather_into_tensor", comms.nbytes(input), self._all_gather, output, input, async_op)
+        return comms.timed("all_gather_into_tensor", input, self._all_gather, output, input, async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         if self.world_size > 1:
-            comms.timed("broadcast", comms.nbytes(tensor), self._broadcast, tensor, src)  # set-up: not step traffic
+            comms.timed("broadcast", tensor, self._broadcast, tensor, src)  # set-up: not step traffic
 
     def close(self) -> None:
         """Nothing to release: the groups belong to torch.distributed / ringcomm."""
