@@ -13,6 +13,7 @@ from .layout import BufferLayout, BucketSpan, ParamSlot, plan_buckets, plan_grou
 from .ops import ReduceOp
 from .recorder import dump_trace
 from .overlap import BucketLauncher, OwnedBucketScheduler
+from .quantized import quantized_all_gather, quantized_reduce_scatter
 from .transport.shm import ShmOptions
 from .transport.torch_dist import TorchDistOptions
 from .work import Work
@@ -23,5 +24,5 @@ __all__ = [
     "TorchDistOptions", "Work", "all_gather",
     "all_gather_coalesced", "all_reduce", "barrier", "broadcast", "create_group", "default_group",
     "destroy_default_group", "dump_trace", "empty", "flat_buffers", "new_group", "plan_buckets", "plan_groups",
-    "plan_module_buckets", "process_group", "reduce_scatter", "reduce_scatter_coalesced", "transport_allocator",
+    "plan_module_buckets", "process_group", "quantized_all_gather", "quantized_reduce_scatter", "reduce_scatter", "reduce_scatter_coalesced", "transport_allocator",
 ]

@@ -35,7 +35,8 @@ DTYPE_CODES_BY_ID: dict[int, int] = {id(dtype): code for dtype, code in DTYPE_CO
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 # What a rank says it is calling, compared across ranks (shm.h OpKind; torch_dist's call check).
-OP_KINDS: dict[str, int] = {"barrier": 0, "all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "broadcast": 4}
+OP_KINDS: dict[str, int] = {"barrier": 0, "all_reduce": 1, "reduce_scatter": 2, "all_gather": 3, "broadcast": 4,
+                           "all_to_all": 5}
 
 # torch's reduce ops that ringcomm does, most used first; matched by ==, since
 # hashing a torch ReduceOp costs ~1.5 us (a whole lean call's budget).

@@ -135,6 +135,12 @@ PYBIND11_MODULE(_C, m) {
            },
            py::arg("output"), py::arg("input"), py::arg("chunk_numel"),
            py::arg("dtype"), py::arg("timeout_s"), no_gil)
+      .def("all_to_all",
+           [](ShmComm& comm, uintptr_t output, uintptr_t input, int64_t chunk_numel, int dtype, double timeout_s) {
+             comm.all_to_all(ringcomm::Output{output}, ringcomm::Input{input}, chunk_numel, dtype, timeout_s);
+           },
+           py::arg("output"), py::arg("input"), py::arg("chunk_numel"),
+           py::arg("dtype"), py::arg("timeout_s"), no_gil)
       .def("broadcast", &ShmComm::broadcast, py::arg("buffer"), py::arg("numel"), py::arg("dtype"), py::arg("root"),
            py::arg("timeout_s"), no_gil)
       .def("barrier", &ShmComm::barrier, py::arg("timeout_s"), no_gil)

@@ -15,7 +15,8 @@
 
 namespace ringcomm {
 
-enum class OpKind : int32_t { kBarrier = 0, kAllReduce = 1, kReduceScatter = 2, kAllGather = 3, kBroadcast = 4 };
+enum class OpKind : int32_t { kBarrier = 0, kAllReduce = 1, kReduceScatter = 2, kAllGather = 3, kBroadcast = 4,
+                             kAllToAll = 5 };
 
 // How peers reach a rank's buffers in one op: through staging slots, in
 // windows they map (ringcomm.empty), or by cross-memory attach (CMA: the kernel
@@ -115,6 +116,9 @@ class ShmComm {
   void reduce_scatter(Output output, Input input, int64_t chunk_numel, int dtype, int redop, double timeout_s);
   void all_gather(Output output, Input input, int64_t chunk_numel, int dtype, double timeout_s);
   void broadcast(uintptr_t buffer, int64_t numel, int dtype, int root, double timeout_s);
+  // Chunk p of input goes to rank p, chunk p of output comes from rank p
+  // (torch's all_to_all_single with equal splits); always staged. output != input.
+  void all_to_all(Output output, Input input, int64_t chunk_numel, int dtype, double timeout_s);
   void barrier(double timeout_s);
 
   // [Note: close and abort] in shm_lifecycle.cpp. close() refuses new calls,

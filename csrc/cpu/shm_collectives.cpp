@@ -205,6 +205,44 @@ void ShmComm::broadcast(uintptr_t buffer, int64_t numel, int dtype, int root, do
   }
 }
 
+// Staged like reduce_scatter: each rank writes the chunk for peer p into part p
+// of its slot; every rank then copies part `rank_` of each peer's slot.
+void ShmComm::all_to_all(Output output, Input input, int64_t chunk_numel, int dtype, double timeout_s) {
+  OpScope scope(caller_, state_, "all_to_all", rank_);
+  const auto windows = lock_windows();
+  check_numel("all_to_all", chunk_numel);
+  const DType dt = to_dtype(dtype);
+  const auto* in = reinterpret_cast<const char*>(input.address);
+  auto* out = reinterpret_cast<char*>(output.address);
+  const int64_t esize = element_nbytes(dt);
+  const int64_t nbytes = world_size_ * chunk_numel * esize;
+  if (chunk_numel > 0 && in < out + nbytes && out < in + nbytes)
+    throw std::invalid_argument("all_to_all: output and input overlap");
+  const OpDesc desc{static_cast<int32_t>(OpKind::kAllToAll), dtype, -1, -1, chunk_numel, 0, -1, 0, -1, 0, 0, 0};
+  const int64_t part_nbytes = config_.slot_nbytes / world_size_ / 64 * 64;
+  const int64_t segment_numel = part_nbytes / esize;
+  const int64_t segments = num_segments(chunk_numel, segment_numel);
+  StepInfo step = begin_op("all_to_all", segments, timeout_s);
+  for (int64_t k = 0; k < segments; ++k) {
+    step.step = k;
+    char* slot = acquire_slot(step);
+    const Span seg = segment_of(Span{0, chunk_numel}, k, segment_numel);
+    const int64_t at = seg.begin * esize, seg_nbytes = seg.numel * esize;
+    for (int peer = 0; peer < world_size_; ++peer) {
+      if (peer != rank_) copy_bytes(slot + peer * part_nbytes, in + peer * chunk_numel * esize + at, seg_nbytes);
+    }
+    post(k == 0 ? &desc : nullptr);
+    copy_bytes(out + rank_ * chunk_numel * esize + at, in + rank_ * chunk_numel * esize + at, seg_nbytes);
+    wait_posted(step);
+    if (k == 0) check_descs(step, desc);
+    for (int peer = 0; peer < world_size_; ++peer) {
+      if (peer != rank_)
+        copy_bytes(out + peer * chunk_numel * esize + at, slot_data(peer, seq_) + rank_ * part_nbytes, seg_nbytes);
+    }
+    release();
+  }
+}
+
 void ShmComm::barrier(double timeout_s) {
   OpScope scope(caller_, state_, "barrier", rank_);
   barrier_round("barrier", timeout_s);

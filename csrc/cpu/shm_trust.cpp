@@ -42,7 +42,7 @@ void ShmComm::fail_flag(int peer, FlagKind kind, uint64_t value, uint64_t limit,
 
 // Fields out of their ranges are a corrupt segment, not a caller mistake.
 void ShmComm::check_desc_range(const StepInfo& step, int peer, const OpDesc& theirs) {
-  if (theirs.kind >= 0 && theirs.kind <= static_cast<int32_t>(OpKind::kBroadcast) && theirs.dtype >= -1 &&
+  if (theirs.kind >= 0 && theirs.kind <= static_cast<int32_t>(OpKind::kAllToAll) && theirs.dtype >= -1 &&
       theirs.dtype <= static_cast<int32_t>(DType::kInt64) && theirs.redop >= -1 &&
       theirs.redop <= static_cast<int32_t>(RedOp::kMax) && theirs.root >= -1 && theirs.root < world_size_ &&
       theirs.numel >= 0 && theirs.access >= static_cast<int32_t>(Access::kStaged) &&

@@ -35,6 +35,12 @@ class Transport(Protocol):
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None: ...
 
+    def all_to_all(self, *, output: torch.Tensor, input: torch.Tensor) -> None:
+        """Chunk p of input to rank p, chunk p of output from rank p (equal chunks,
+        distinct buffers). A transport of two levels offers levels() instead
+        (HierarchicalTransport)."""
+        ...
+
     def barrier(self) -> None: ...
 
     def close(self, timeout_s: float | None = None) -> bool:

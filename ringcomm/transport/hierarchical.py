@@ -308,6 +308,19 @@ class HierarchicalTransport:
         bound_s = self.timeout_s * (2 * self.placement.num_hosts * segments + 2)
         self._pipe.run(Stages(op, cross_step, cross_what, before, across, after), len(bounds), bound_s)
 
+    def levels(self) -> tuple[Callable[..., None], Callable[..., None], tuple[tuple[int, ...], ...]]:
+        """(local all_to_all, cross-host all_to_all, ranks of each host): the two
+        levels for collectives that reduce where the data lands (ringcomm.quantized);
+        a failure of either is this group's, as in every step here."""
+        def local(*, output: torch.Tensor, input: torch.Tensor) -> None:
+            with self._step("all_to_all", 1, "local all-to-all"):
+                self.local.all_to_all(output=output, input=input)
+
+        def cross(*, output: torch.Tensor, input: torch.Tensor) -> None:
+            with self._step("all_to_all", 2, "cross-host all-to-all"):
+                self.cross.all_to_all(output=output, input=input)
+        return local, cross, self.placement.ranks_on
+
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
         """Across hosts among the root's local rank, then inside every host."""
         root_host, root_local = self.placement.host_of(root), self.placement.local_rank_of(root)

@@ -148,6 +148,10 @@ class ShmTransport:
         _C.all_gather_lean(self.handle, output.data_ptr(), input.data_ptr(), input.numel(),
                            DTYPE_CODES_BY_ID[id(input.dtype)], self.timeout_s)
 
+    def all_to_all(self, *, output: torch.Tensor, input: torch.Tensor) -> None:
+        self._comm.all_to_all(output.data_ptr(), input.data_ptr(), output.numel() // self.world_size,
+                              DTYPE_CODES_BY_ID[id(input.dtype)], self.timeout_s)
+
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
         code = DTYPE_CODES_BY_ID[id(tensor.dtype)]
         self._comm.broadcast(tensor.data_ptr(), tensor.numel(), code, root, self.timeout_s)

@@ -75,6 +75,15 @@ class _P2PLink:
             send_work = self.run(lambda: self.pg.send([send], self.right, tag), op, step, self.sending)
         return _PendingTransfer(self, send_work, recv_work, op, step)
 
+    def exchange(self, send: torch.Tensor, to: int, recv: torch.Tensor, source: int, *, op: str, step: int) -> None:
+        """One step of a pairwise exchange: `send` to rank `to` while `recv` comes from `source`."""
+        where = self.diagnosis.where
+        receiving, sending = f"receiving from rank {source}{where(source)}", f"sending to rank {to}{where(to)}"
+        recv_work = self.run(lambda: self.pg.recv([recv], source, step), op, step, receiving)
+        send_work = self.run(lambda: self.pg.send([send], to, step), op, step, sending)
+        self.wait(recv_work, op, step, receiving)
+        self.wait(send_work, op, step, sending)
+
     def wait(self, work: dist.Work, op: str, step: int, what: str) -> None:
         self.run(lambda: work.wait(self.timeout), op, step, what)
 
@@ -280,6 +289,19 @@ class TorchDistTransport:
             if own.data_ptr() != input.data_ptr():
                 own.copy_(input)
             ring.all_gather(self._link, output, chunks, self._segment_numel(output))
+
+    def all_to_all(self, *, output: torch.Tensor, input: torch.Tensor) -> None:
+        """Chunk p of input to rank p, chunk p of output from rank p: world_size - 1
+        pairwise steps (step k: to rank + k, from rank - k), each bounded by the timeout."""
+        with self._gate.call("all_to_all"):
+            input, output = input.view(-1), output.view(-1)
+            chunk = output.numel() // self.world_size
+            self._check_call("all_to_all", input, chunk)
+            out, inp = output.view(self.world_size, chunk), input.view(self.world_size, chunk)
+            out[self.rank].copy_(inp[self.rank])
+            for k in range(1, self.world_size if chunk else 1):
+                to, source = (self.rank + k) % self.world_size, (self.rank - k) % self.world_size
+                self._link.exchange(inp[to], to, out[source], source, op="all_to_all", step=k)
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
         with self._gate.call("broadcast"):
