@@ -154,7 +154,7 @@ def engine_step(args, stage: int, framework: str):
         loss = engine(batch(args, i, torch.bfloat16)).float().pow(2).mean()
         engine.backward(loss)
         engine.step()
-        step.sent_nbytes = engine.wire_report() if framework != "deepspeed" else WIRE.nbytes - before
+        step.sent_nbytes = engine.wire_report().sent_nbytes if framework != "deepspeed" else WIRE.nbytes - before
     return step
 
 

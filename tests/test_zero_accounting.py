@@ -63,7 +63,7 @@ def check_memory_and_wire(rank: int, world_size: int, stage: int, dtype_name: st
         bucket_nbytes = max(b.span.numel for b in group.buckets) * 2
         assert engine.parts.gatherer.peak_live_nbytes > bucket_nbytes, f"{case}: no prefetch"
     assert engine.parts.comm.kind == ("torch" if backend == "torch" else "ringcomm"), case
-    sent_elements = engine.wire_report() / 2  # fp16 / bf16 elements
+    sent_elements = engine.wire_report().sent_nbytes / 2  # fp16 / bf16 elements
     expected_wire = WIRE[stage] * psi * (world_size - 1) / world_size
     assert abs(sent_elements - expected_wire) <= 3 * padding + 16, f"{case}: sent {sent_elements} vs {expected_wire}"
 

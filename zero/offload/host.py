@@ -53,14 +53,14 @@ class HostParamGroup(ParamGroup):
         """An offloaded shard's stand-in between uses: no memory, the shard's dtype and device."""
         return torch.empty(0, dtype=bucket.shard.dtype, device=self.device)
 
-    def start_unshard(self, bucket: ZeroBucket) -> None:
+    def start_unshard(self, bucket: ZeroBucket, backward: bool = False) -> None:
         host = self.host_shards.get(bucket.span.index)
         if host is not None and bucket.full is None and bucket.gather is None:
             bucket.shard = host.to(self.device, non_blocking=self.param_options.pin_memory)
-        super().start_unshard(bucket)
+        super().start_unshard(bucket, backward)
 
-    def unshard(self, bucket: ZeroBucket) -> None:
-        super().unshard(bucket)
+    def unshard(self, bucket: ZeroBucket, backward: bool = False) -> None:
+        super().unshard(bucket, backward)
         if bucket.span.index in self.host_shards:
             bucket.shard = self.placeholder(bucket)
 

@@ -152,16 +152,16 @@ class NvmeParamGroup(HostParamGroup):
                                                    if part is not None)
 
     # ---- stage 3: swapped shards --------------------------------------------------------------
-    def start_unshard(self, bucket: ZeroBucket) -> None:
+    def start_unshard(self, bucket: ZeroBucket, backward: bool = False) -> None:
         if self.shards is not None and self.shards.swapped(bucket) and bucket.full is None and bucket.gather is None:
             if not self.shards.free:
                 self.unshard(self.buckets[next(iter(self.shards.in_use))])
             shard = self.shards.read(bucket, bucket.span.local_chunk(bucket.rank).numel, bucket.shard.dtype)
             bucket.shard = shard.to(self.device)  # a CUDA model: to the device, and the buffer could go now
-        super().start_unshard(bucket)
+        super().start_unshard(bucket, backward)
 
-    def unshard(self, bucket: ZeroBucket) -> None:
-        super().unshard(bucket)
+    def unshard(self, bucket: ZeroBucket, backward: bool = False) -> None:
+        super().unshard(bucket, backward)
         self._release(bucket)
 
     def reshard(self, bucket: ZeroBucket) -> None:

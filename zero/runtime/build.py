@@ -6,15 +6,18 @@ import torch.distributed as dist
 from torch import nn
 
 from ringcomm.layout import BufferLayout, plan_buckets, plan_module_buckets
+from ringcomm.transport.placement import host_name
 
 from .. import comm as comm_mod
 from ..activation import checkpointing
 from ..offload.host import HostParamGroup
 from ..offload.nvme_params import NvmeParamGroup
 from ..sharding import init as zero_init
+from ..sharding import zeropp
 from ..sharding.gather import ModuleGatherer
 from ..sharding.param_group import ParamGroup, build_buckets
-from ..sharding.seam import make_comm
+from ..sharding.seam import make_comm, make_partition_comm
+from ..sharding.wire import Topology
 from . import config as config_mod
 from . import optim
 from .engine import EngineParts, ZeroEngine
@@ -99,6 +102,24 @@ def make_group(buckets: list, cfg: config_mod.EngineConfig, comm, optimizer: tor
                           sub_group_size=zero.sub_group_size)
 
 
+def use_zeropp(group: ParamGroup, comm, cfg: config_mod.EngineConfig) -> None:
+    """The comm's hosts (for wire_report) and ZeRO++'s keys ([Note: ZeRO++ in zero]), checked against the
+    hosts on every rank."""
+    if comm.world_size == 1:
+        return
+    hosts: list[str] = [""] * comm.world_size
+    dist.all_gather_object(hosts, host_name())
+    transport = getattr(getattr(comm, "group", None), "transport", None)
+    comm.topology = Topology(comm.rank, tuple(hosts), hierarchical=getattr(transport, "kind", "") == "hierarchical")
+    options = cfg.zero.zeropp
+    if options == zeropp.ZeroPPOptions():
+        return
+    zeropp.check_placement(options, hosts, comm.kind, cfg.zero.offload_param)
+    comm.zeropp = options
+    size = options.hpz_partition_size
+    group.use_zeropp(options, make_partition_comm(comm, size) if size > 1 else None)
+
+
 def make_optimizer(optimizer, model_parameters, params: list[nn.Parameter],
                    cfg: config_mod.EngineConfig) -> torch.optim.Optimizer:
     if optimizer is not None:
@@ -138,6 +159,7 @@ def build_engine(model: nn.Module, optimizer=None, model_parameters=None, lr_sch
     layout, module_uses = plan_layout(model, params, cfg, world_size)
     buckets = build_buckets(params, layout, rank, comm)
     group = make_group(buckets, cfg, comm, optimizer)
+    use_zeropp(group, comm, cfg)
     optim.rebind(optimizer, params, group.setup_masters())
     group.register_hooks(params)
     gatherer = None

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from ..monitor.config import MonitoringConfig
 from ..monitor.config import parse as parse_monitoring
+from ..sharding import zeropp
 from ..sharding.policy import STAGES, ShardingPolicy
 from .no_effect import warn_no_effect
 from .precision import ScalerOptions
@@ -26,18 +27,16 @@ TOP_KEYS = {
     "memory_breakdown", "zero_force_ds_cpu_optimizer", "seed", "aio",
 }
 ZERO_KEYS = {
-    "stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "contiguous_gradients",
-    "reduce_scatter", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
-    "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
-    "sub_group_size", "offload_optimizer", "offload_param", "allgather_partitions", "round_robin_gradients",
-}
+    "stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "contiguous_gradients", "reduce_scatter",
+    "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_live_parameters",
+    "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save", "sub_group_size", "offload_optimizer",
+    "offload_param", "allgather_partitions", "round_robin_gradients", *zeropp.KEYS}
 FP16_KEYS = {"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
              "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads"}
 BF16_KEYS = {"enabled", "immediate_grad_update", "check_grad_overflow"}
 _WARMUP = ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "last_batch_iteration")
 SCHEDULER_PARAMS = {  # type -> (required, optional) params: deepspeed.runtime.lr_schedules' constructor arguments
-    "WarmupLR": ((), _WARMUP),
-    "WarmupDecayLR": (("total_num_steps",), _WARMUP),
+    "WarmupLR": ((), _WARMUP), "WarmupDecayLR": (("total_num_steps",), _WARMUP),
     "OneCycle": (("cycle_min_lr", "cycle_max_lr"), (
         "decay_lr_rate", "cycle_first_step_size", "cycle_second_step_size", "cycle_first_stair_count",
         "cycle_second_stair_count", "decay_step_size", "cycle_momentum", "cycle_min_mom", "cycle_max_mom",
@@ -119,6 +118,7 @@ class ZeroOptions:
     offload_param: str = "none"  # the device of offload_param_options
     offload_optimizer_options: OffloadOptions = field(default_factory=OffloadOptions)
     offload_param_options: OffloadOptions = field(default_factory=lambda: OffloadOptions(buffer_count=5))
+    zeropp: zeropp.ZeroPPOptions = field(default_factory=zeropp.ZeroPPOptions)  # sharding/zeropp.py
 
     @property
     def policy(self) -> ShardingPolicy:
@@ -310,7 +310,7 @@ def _zero(section: dict, facts: ModelFacts) -> ZeroOptions:
         max_live_parameters=sizes["stage3_max_live_parameters"],
         sub_group_size=sizes["sub_group_size"], offload_optimizer=offload_optimizer.device,
         offload_param=offload_param.device, offload_optimizer_options=offload_optimizer,
-        offload_param_options=offload_param)
+        offload_param_options=offload_param, zeropp=zeropp.parse(section, stage))
 
 
 def _optimizer(section: object) -> dict | None:

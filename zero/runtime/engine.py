@@ -21,6 +21,7 @@ from ..sharding.accounting import MemoryReport, memory_report
 from ..sharding.gather import ModuleGatherer
 from ..sharding.param_group import ParamGroup
 from ..sharding.seam import Comm
+from ..sharding.wire import WireReport
 from .config import EngineConfig
 from .precision import LossScaler
 
@@ -89,7 +90,7 @@ class ZeroEngine:
         buckets = parts.group.buckets
         self.device = buckets[0].shard.device if buckets else torch.device("cpu")
         self._inside_no_sync = False
-        self.last_step_sent_nbytes = 0
+        self.last_wire = WireReport(0, 0, 0)
         self._global_grad_norm: float | None = None
         self._step_applied = False
         self._destroyed = False
@@ -145,8 +146,7 @@ class ZeroEngine:
                     self.lr_scheduler.step()
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
-            self.last_step_sent_nbytes = self.parts.comm.sent_nbytes
-            self.parts.comm.sent_nbytes = 0
+            self.last_wire = self.parts.comm.take_wire()
             self._log_step()
         self.micro_steps += 1
 
@@ -321,6 +321,11 @@ class ZeroEngine:
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
         return checkpoint_save.save_16bit_model(self, save_dir, save_filename)
 
-    def wire_report(self) -> int:
-        """Bytes this rank sent in the last step (ring volume of its collectives)."""
-        return self.last_step_sent_nbytes
+    @property
+    def last_step_sent_nbytes(self) -> int:
+        return self.last_wire.sent_nbytes
+
+    def wire_report(self) -> WireReport:
+        """Bytes this rank sent in the last step (ring volume of its collectives):
+        in all, to its own host and across hosts (zero/sharding/wire.py)."""
+        return self.last_wire

@@ -2,5 +2,6 @@
 ring volumes (policy.py), the bucketed parameter group that owns the fp32
 masters, gradients and shards (param_group.py), stage-3 gathering around each
 module (gather.py), the seam to ringcomm or torch.distributed (seam.py), the
-memory accounting (accounting.py) and DeepSpeed's Init / GatheredParameters
-(init.py)."""
+memory accounting (accounting.py), where the sent bytes go (wire.py), ZeRO++'s
+quantized and hierarchical gathers and reductions (zeropp.py) and DeepSpeed's
+Init / GatheredParameters (init.py)."""

@@ -25,6 +25,9 @@ class MemoryReport:
     device_nbytes: int = 0
     host_nbytes: int = 0
     disk_nbytes: int = 0
+    # hpZ (zero_hpz_partition_size): the secondary partition, 1/size of every gathered bucket, held from a
+    # bucket's forward to the step; part of the comm side, not of the model states' 16 psi / N
+    secondary_params_nbytes: int = 0
 
     @property
     def model_state_nbytes(self) -> int:
@@ -64,9 +67,11 @@ def memory_report(group: ParamGroup, optimizer: torch.optim.Optimizer, gathered_
     on_device = storages.nbytes(t for b in group.buckets if not group.offloaded(b)
                                 for t in _optimizer_tensors(b, optimizer))
     disk, staging = group.disk_nbytes(), group.offload_host_nbytes()
+    secondary = 0 if group.secondary is None else sum(
+        b.span.numel // group.secondary.size * b.shard.element_size() for b in group.buckets if not b.span.resident)
     return MemoryReport(params, grads, on_host + on_device, group.scheduler.peak_transient_nbytes + gathered_nbytes,
                         persistent_params_nbytes=persistent, device_nbytes=params + persistent + grads + on_device,
-                        host_nbytes=on_host + staging, disk_nbytes=disk)
+                        host_nbytes=on_host + staging, disk_nbytes=disk, secondary_params_nbytes=secondary)
 
 
 def _optimizer_tensors(bucket, optimizer: torch.optim.Optimizer):

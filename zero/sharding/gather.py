@@ -86,7 +86,7 @@ class ModuleGatherer:
         if not isinstance(saved, SavedSlice):
             return saved
         if saved.bucket.full is None:  # used outside its module's backward
-            self.group.unshard(saved.bucket)
+            self.group.unshard(saved.bucket, backward=True)
         full = saved.bucket.full
         return full.as_strided(saved.size, saved.stride, full.storage_offset() + saved.offset)
 
@@ -105,7 +105,7 @@ class ModuleGatherer:
             if fetched and (fetched + numel > self.prefetch_numel or live + numel > self.max_live_numel):
                 break
             if nxt.full is None:
-                self.group.start_unshard(nxt)
+                self.group.start_unshard(nxt, backward=direction < 0)
                 live += numel
             fetched += numel
             i += direction
@@ -117,7 +117,7 @@ class ModuleGatherer:
 
     def _unshard(self, buckets: list[ZeroBucket], direction: int) -> None:
         for bucket in buckets:
-            self.group.unshard(bucket)
+            self.group.unshard(bucket, backward=direction < 0)
         self._prefetch(buckets[-1], direction)
 
     def _pre_forward(self, module: nn.Module, args: tuple) -> None:

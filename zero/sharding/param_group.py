@@ -31,6 +31,7 @@ from ..runtime.optim import unscaled
 from . import init as zero_init
 from .policy import ShardingPolicy
 from .seam import Comm, Handle
+from .zeropp import Secondary, ZeroPPOptions
 
 NORM_SLICE_NUMEL = 1 << 20  # elements converted to float64 at a time by grad_norm
 
@@ -143,6 +144,9 @@ class ParamGroup:
             bucket.grads = GradBucket(bucket.layout, bucket.span.index, bucket.params, comm.rank,
                                       persistent=persistent, sharded=policy.shard_grads)
         mode = "reduce_scatter" if policy.shard_optimizer else "all_reduce"
+        self.quantized_weights = False
+        self.partition_comm: Comm | None = None
+        self.secondary: Secondary | None = None  # hpZ ([Note: ZeRO++ in zero])
         self.scheduler = OwnedBucketScheduler(
             [b.grads for b in buckets], comm, mode=mode, scale=1.0 / comm.world_size, timeout_s=timeout_s,
             on_launch=self._after_launch if policy.shard_params else None)
@@ -155,15 +159,29 @@ class ParamGroup:
         """Removes the gradient hooks; offload also releases its files and
         threads. Idempotent (engine.destroy())."""
         self.scheduler.remove_hooks()
+        if self.partition_comm is not None:
+            self.partition_comm.close()
 
     # ---- verbs: stage 3 gathering ---------------------------------------------------
-    def start_unshard(self, bucket: ZeroBucket) -> None:
+    def use_zeropp(self, options: ZeroPPOptions, partition_comm: Comm | None) -> None:
+        """[Note: ZeRO++ in zero]: quantized forward gathers, hpZ's secondary partition over `partition_comm`."""
+        self.quantized_weights = options.quantized_weights
+        self.partition_comm = partition_comm
+        self.secondary = Secondary(self.comm.rank, partition_comm.world_size) if partition_comm else None
+
+    def start_unshard(self, bucket: ZeroBucket, backward: bool = False) -> None:
+        """Starts gathering the bucket: for backward from hpZ's secondary chunks when kept."""
         if bucket.full is None and bucket.gather is None:
             bucket.full = torch.empty(bucket.span.numel, dtype=bucket.shard.dtype, device=bucket.shard.device)
-            bucket.gather = self.comm.all_gather(bucket.full, bucket.shard, async_op=True)
+            chunk = self.secondary.chunks.get(bucket.span.index) if backward and self.secondary else None
+            if chunk is not None:
+                bucket.gather = self.partition_comm.all_gather(bucket.full, chunk, async_op=True)
+            else:
+                bucket.gather = self.comm.all_gather(bucket.full, bucket.shard, async_op=True,
+                                                     quantized=self.quantized_weights)
 
-    def unshard(self, bucket: ZeroBucket) -> None:
-        self.start_unshard(bucket)
+    def unshard(self, bucket: ZeroBucket, backward: bool = False) -> None:
+        self.start_unshard(bucket, backward)
         if bucket.gather is not None:
             bucket.gather.wait()
             bucket.gather = None
@@ -175,6 +193,8 @@ class ParamGroup:
         if bucket.gather is not None:
             bucket.gather.wait()
             bucket.gather = None
+        if self.secondary is not None:
+            self.secondary.keep(bucket.span.index, bucket.full)
         bucket.full = None
         bucket.bind_params()
 
@@ -183,6 +203,8 @@ class ParamGroup:
         are the parameters' new values (zero.GatheredParameters with a modifier
         rank): they become the shard, and the fp32 master where they differ from
         the master rounded. Offload overrides where the shard and master live."""
+        if self.secondary is not None:
+            self.secondary.drop()  # the values change
         with torch.no_grad():
             fold_into_master(bucket.master, values)
             target = self.publish_target(bucket)
@@ -332,6 +354,8 @@ class ParamGroup:
                 works.append(self.comm.all_gather(bucket.full, bucket.shard, async_op=True))
         for work in works:
             work.wait()
+        if self.secondary is not None:
+            self.secondary.drop()  # hpZ: the values changed
 
     def publish_target(self, bucket: ZeroBucket) -> torch.Tensor:
         """The 16-bit (or fp32) values the bucket's master is published into: its owned span."""

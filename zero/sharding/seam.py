@@ -9,10 +9,14 @@ import torch
 import torch.distributed as dist
 
 import ringcomm
+from ringcomm.ops import LOW_PRECISION
+from ringcomm.quantized import Rows
 from ringcomm.schedule import sent_numel
 from ringcomm.work import completed_future
 
 from ..monitor import comms
+from .wire import Topology, WireReport
+from .zeropp import ZeroPPOptions
 
 BACKENDS = ("ringcomm", "torch")
 
@@ -44,12 +48,40 @@ class Comm:
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank
         self.world_size = world_size
-        self.sent_nbytes = 0
+        self.sent_nbytes = self.inside_nbytes = self.across_nbytes = 0
+        self.topology: Topology | None = None  # set by the engine: splits sent bytes into inside / across hosts
+        self.counter: Comm | None = None  # the comm whose counts this one adds to (hpZ's partition comm)
+        self.zeropp = ZeroPPOptions()  # which collectives move quantized ([Note: ZeRO++ in zero])
         self.overlap = True  # zero_optimization.overlap_comm: False runs every collective inline
 
     def count(self, kind: str, tensor: torch.Tensor) -> None:
         """Adds the ring volume this rank sends for `kind` over `tensor` (full size)."""
-        self.sent_nbytes += sent_numel(kind, tensor.numel(), self.world_size) * tensor.element_size()
+        nbytes = tensor.numel() * tensor.element_size()
+        widened = kind != "all_gather" and tensor.dtype in LOW_PRECISION
+        self._add(sent_numel(kind, tensor.numel(), self.world_size) * tensor.element_size(), kind, nbytes, widened)
+
+    def count_nbytes(self, kind: str, nbytes: int, all_to_all: bool = False) -> None:
+        """count() for a collective of `nbytes` bytes in all (a quantized one's rows)."""
+        self._add(sent_numel(kind, nbytes, self.world_size), kind, nbytes, all_to_all=all_to_all)
+
+    def _add(self, sent: int, kind: str, nbytes: int, widened: bool = False, all_to_all: bool = False) -> None:
+        counter = self.counter or self
+        counter.sent_nbytes += sent
+        if self.topology is not None:
+            inside, across = self.topology.split(kind, nbytes, widened=widened, all_to_all=all_to_all)
+            counter.inside_nbytes += inside
+            counter.across_nbytes += across
+
+    def take_wire(self) -> WireReport:
+        """The bytes counted since the last call, by where they went ([Note: wire model]); restarts the count."""
+        report = WireReport(self.sent_nbytes, self.inside_nbytes, self.across_nbytes)
+        self.sent_nbytes = self.inside_nbytes = self.across_nbytes = 0
+        return report
+
+    def _quantized_all_gather(self, output, input, async_op):
+        raise ValueError("zero: quantized collectives need comm_backend 'ringcomm'")
+
+    _quantized_reduce_scatter = _quantized_all_gather
 
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = False) -> Handle:
         """Sum in place."""
@@ -66,15 +98,26 @@ class Comm:
                 output.copy_(input)
             return _Done()
         async_op = async_op and self.overlap
+        if self.zeropp.quantized_gradients:  # zero_quantized_gradients: every gradient reduce-scatter
+            rows = Rows(output.numel(), self.zeropp.grad_bits, self.zeropp.grad_block)
+            self.count_nbytes("reduce_scatter", self.world_size * rows.nbytes, all_to_all=True)
+            return comms.timed("reduce_scatter_tensor", input, self._quantized_reduce_scatter, output, input,
+                               async_op)
         self.count("reduce_scatter", input)
         return comms.timed("reduce_scatter_tensor", input, self._reduce_scatter, output, input, async_op)
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Handle:
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, *,
+                   quantized: bool = False) -> Handle:
+        """quantized: the chunks move as blockwise int8 (zero_quantized_weights, [Note: ZeRO++ in zero])."""
         if self.world_size == 1:
             if output.data_ptr() != input.data_ptr():
                 output.copy_(input)
             return _Done()
         async_op = async_op and self.overlap
+        if quantized:
+            rows = Rows(input.numel(), self.zeropp.weight_bits, self.zeropp.weight_block)
+            self.count_nbytes("all_gather", self.world_size * rows.nbytes)
+            return comms.timed("all_gather_into_tensor", input, self._quantized_all_gather, output, input, async_op)
         self.count("all_gather", output)
         return comms.timed("all_gather_into_tensor", input, self._all_gather, output, input, async_op)
 
@@ -106,12 +149,26 @@ class RingComm(Comm):
     def _broadcast(self, tensor, src):
         ringcomm.broadcast(tensor, src, self.group)
 
+    def _quantized_all_gather(self, output, input, async_op):
+        z = self.zeropp
+        return ringcomm.quantized_all_gather(output, input, self.group, bits=z.weight_bits, block=z.weight_block,
+                                             async_op=async_op) or _Done()
+
+    def _quantized_reduce_scatter(self, output, input, async_op):
+        z = self.zeropp
+        return ringcomm.quantized_reduce_scatter(output, input, ringcomm.ReduceOp.SUM, self.group, bits=z.grad_bits,
+                                                 block=z.grad_block, async_op=async_op) or _Done()
+
 
 class TorchComm(Comm):
     kind = "torch"
 
+    def __init__(self, rank: int, world_size: int, pg: dist.ProcessGroup | None = None) -> None:
+        super().__init__(rank, world_size)
+        self.pg = pg  # None: the default group
+
     def _all_reduce(self, tensor, async_op):
-        return dist.all_reduce(tensor, async_op=async_op) or _Done()
+        return dist.all_reduce(tensor, group=self.pg, async_op=async_op) or _Done()
 
     def _reduce_scatter(self, output, input, async_op):
         target = output
@@ -119,7 +176,7 @@ class TorchComm(Comm):
             output = torch.empty_like(output)  # gloo wants distinct buffers: reduce, then copy back
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
-            work = dist.reduce_scatter_tensor(output, input, async_op=async_op)
+            work = dist.reduce_scatter_tensor(output, input, group=self.pg, async_op=async_op)
         if output is target:
             return work or _Done()
         if work is not None:
@@ -132,10 +189,10 @@ class TorchComm(Comm):
             input = input.clone()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
-            return dist.all_gather_into_tensor(output, input, async_op=async_op) or _Done()
+            return dist.all_gather_into_tensor(output, input, group=self.pg, async_op=async_op) or _Done()
 
     def _broadcast(self, tensor, src):
-        dist.broadcast(tensor, src)
+        dist.broadcast(tensor, dist.get_global_rank(self.pg, src) if self.pg is not None else src, group=self.pg)
 
 
 def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -155,3 +212,24 @@ def make_comm(backend: str, device: torch.device) -> Comm:
     if backend == "torch" or device.type != "cpu":
         return TorchComm(rank, world_size)
     return RingComm(rank, world_size, ringcomm.default_group())  # ringcomm keeps (and closes) it
+
+
+def make_partition_comm(comm: Comm, size: int) -> Comm:
+    """Collective: collectives over this rank's run of `size` consecutive ranks
+    (hpZ's secondary partition); close() releases its group."""
+    made = {}
+    for first in range(0, comm.world_size, size):
+        ranks = list(range(first, first + size))
+        made[first] = ringcomm.new_group(ranks, timeout=comm.group.transport.timeout_s) \
+            if isinstance(comm, RingComm) else dist.new_group(ranks)
+    mine = made[comm.rank - comm.rank % size]
+    if isinstance(comm, RingComm):
+        sub = RingComm(comm.rank % size, size, mine)
+        sub.close = mine.close
+    else:
+        sub = TorchComm(comm.rank % size, size, mine)
+    sub.overlap, sub.counter = comm.overlap, comm
+    if comm.topology is not None:
+        first = comm.rank - comm.rank % size
+        sub.topology = Topology(comm.rank % size, comm.topology.hosts[first:first + size], hierarchical=False)
+    return sub
