@@ -109,7 +109,8 @@ def quantize_into(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, *, 
     if _device_kind(where, x.device) == "cuda":
         cuda_quant.quantize_into(x, data, scales, bits=bits, block=block)
     else:
-        _C.quantize(x.data_ptr(), DTYPE_CODES[x.dtype], numel, data.data_ptr(), scales.data_ptr(), bits, block)
+        _C.quantize(x.data_ptr(), DTYPE_CODES[x.dtype], numel, data.data_ptr(), scales.data_ptr(), bits, block,
+                    torch.get_num_threads())
 
 
 def quantize(x: torch.Tensor, *, bits: int, block: int) -> Quantized:
@@ -157,5 +158,5 @@ def _dequantize_sum(where: str, data: torch.Tensor, scales: torch.Tensor, out: t
         cuda_quant.dequantize_sum(data, scales, out, num_rows=num_rows, bits=bits, block=block)
     else:
         _C.dequantize_sum(data.data_ptr(), scales.data_ptr(), num_rows, out.data_ptr(), DTYPE_CODES[out.dtype],
-                          out.numel(), bits, block)
+                          out.numel(), bits, block, torch.get_num_threads())
     return out

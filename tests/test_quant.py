@@ -4,9 +4,9 @@ fused dequantize_sum; and every argument error."""
 from __future__ import annotations
 
 import pytest
+import quant_reference as ref
 import torch
 
-import quant_reference as ref
 from ringcomm import quant
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -12,7 +12,9 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <type_traits>
+#include <vector>
 
 #include "convert.h"
 
@@ -20,6 +22,20 @@ namespace ringcomm {
 namespace {
 
 constexpr int64_t kTile = 1024;  // elements per tile; even, so a tile starts on a byte of int4 pairs
+constexpr int64_t kMinThreadNumel = 1 << 18;  // elements per extra thread, at least: a thread costs ~20 us
+
+// Runs fn(first_block, end_block) over [0, num_blocks) split in contiguous ranges, one per thread.
+template <typename Fn>
+void parallel_blocks(int64_t numel, QuantFormat f, int num_threads, Fn fn) {
+  const int64_t blocks = num_blocks(numel, f.block);
+  const int64_t useful = std::max<int64_t>(1, std::min<int64_t>(blocks, numel / kMinThreadNumel));
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(num_threads, useful));
+  const int64_t per = (blocks + threads - 1) / threads;
+  std::vector<std::thread> workers;
+  for (int64_t t = 1; t < threads && t * per < blocks; ++t) workers.emplace_back(fn, t * per, std::min(blocks, (t + 1) * per));
+  fn(0, std::min(blocks, per));
+  for (auto& worker : workers) worker.join();
+}
 
 template <typename T> struct AbsBits;
 template <> struct AbsBits<float> { using U = uint32_t; static constexpr U kMask = 0x7fffffffu, kInf = 0x7f800000u; };
@@ -102,11 +118,13 @@ void quantize_block(const T* x, int64_t len, uint8_t* data, float* scale, int bi
 }
 
 template <typename T>
-void quantize_typed(const T* x, int64_t numel, uint8_t* data, float* scales, QuantFormat f) {
-  for (int64_t b = 0, begin = 0; begin < numel; ++b, begin += f.block) {
-    const int64_t len = std::min(f.block, numel - begin);
-    quantize_block(x + begin, len, data + (f.bits == 8 ? begin : begin / 2), scales + b, f.bits);
-  }
+void quantize_typed(const T* x, int64_t numel, uint8_t* data, float* scales, QuantFormat f, int num_threads) {
+  parallel_blocks(numel, f, num_threads, [=](int64_t first, int64_t end) {
+    for (int64_t b = first; b < end; ++b) {
+      const int64_t begin = b * f.block, len = std::min(f.block, numel - begin);
+      quantize_block(x + begin, len, data + (f.bits == 8 ? begin : begin / 2), scales + b, f.bits);
+    }
+  });
 }
 
 // out = float(q) * scale for one tile of int8 bytes or int4 nibble pairs.
@@ -128,12 +146,12 @@ void add_tile(float* acc, const float* next, int64_t len) {
 }
 
 template <typename T>
-void dequantize_sum_typed(const uint8_t* data, const float* scales, int num_rows, T* out, int64_t numel,
-                          QuantFormat f) {
+void dequantize_sum_range(const uint8_t* data, const float* scales, int num_rows, T* out, int64_t numel,
+                          QuantFormat f, int64_t first_block, int64_t end_block) {
   const int64_t row_nbytes = packed_nbytes(numel, f.bits), row_scales = num_blocks(numel, f.block);
   alignas(64) float acc[kTile];
   alignas(64) float next[kTile];
-  for (int64_t b = 0; b < row_scales; ++b) {
+  for (int64_t b = first_block; b < end_block; ++b) {
     const int64_t block_end = std::min((b + 1) * f.block, numel);
     for (int64_t begin = b * f.block; begin < block_end; begin += kTile) {
       const int64_t n = std::min(kTile, block_end - begin), byte = f.bits == 8 ? begin : begin / 2;
@@ -151,12 +169,23 @@ void dequantize_sum_typed(const uint8_t* data, const float* scales, int num_rows
   }
 }
 
-void check_format(const char* op, int64_t numel, QuantFormat f) {
+template <typename T>
+void dequantize_sum_typed(const uint8_t* data, const float* scales, int num_rows, T* out, int64_t numel,
+                          QuantFormat f, int num_threads) {
+  parallel_blocks(numel, f, num_threads, [=](int64_t first, int64_t end) {
+    dequantize_sum_range(data, scales, num_rows, out, numel, f, first, end);
+  });
+}
+
+void check_format(const char* op, int64_t numel, QuantFormat f, int num_threads) {
   if (f.bits != 4 && f.bits != 8) throw std::invalid_argument(std::string(op) + ": bits=" + std::to_string(f.bits) + ", expected 4 or 8");
   if (f.block < 1 || (f.bits == 4 && f.block % 2 != 0)) {
     throw std::invalid_argument(std::string(op) + ": block=" + std::to_string(f.block) + " must be >= 1, and even for 4 bits");
   }
-  if (numel < 0) throw std::invalid_argument(std::string(op) + ": numel=" + std::to_string(numel) + " < 0");
+  if (numel < 0 || num_threads < 1) {
+    throw std::invalid_argument(std::string(op) + ": numel=" + std::to_string(numel) + ", num_threads=" +
+                                std::to_string(num_threads) + " (expected numel >= 0, num_threads >= 1)");
+  }
 }
 
 std::invalid_argument bad_dtype(const char* op, DType dtype) {
@@ -170,24 +199,25 @@ int64_t packed_nbytes(int64_t numel, int bits) { return bits == 4 ? (numel + 1) 
 
 int64_t num_blocks(int64_t numel, int64_t block) { return (numel + block - 1) / block; }
 
-void quantize(const void* x, DType dtype, int64_t numel, uint8_t* data, float* scales, QuantFormat format) {
-  check_format("quantize", numel, format);
+void quantize(const void* x, DType dtype, int64_t numel, uint8_t* data, float* scales, QuantFormat format,
+              int num_threads) {
+  check_format("quantize", numel, format, num_threads);
   switch (dtype) {
-    case DType::kFloat32: return quantize_typed(static_cast<const float*>(x), numel, data, scales, format);
-    case DType::kBFloat16: return quantize_typed(static_cast<const BFloat16*>(x), numel, data, scales, format);
-    case DType::kFloat16: return quantize_typed(static_cast<const Half*>(x), numel, data, scales, format);
+    case DType::kFloat32: return quantize_typed(static_cast<const float*>(x), numel, data, scales, format, num_threads);
+    case DType::kBFloat16: return quantize_typed(static_cast<const BFloat16*>(x), numel, data, scales, format, num_threads);
+    case DType::kFloat16: return quantize_typed(static_cast<const Half*>(x), numel, data, scales, format, num_threads);
     default: throw bad_dtype("quantize", dtype);
   }
 }
 
 void dequantize_sum(const uint8_t* data, const float* scales, int num_rows, void* out, DType dtype, int64_t numel,
-                    QuantFormat format) {
-  check_format("dequantize_sum", numel, format);
+                    QuantFormat format, int num_threads) {
+  check_format("dequantize_sum", numel, format, num_threads);
   if (num_rows < 1) throw std::invalid_argument("dequantize_sum: num_rows=" + std::to_string(num_rows) + " < 1");
   switch (dtype) {
-    case DType::kFloat32: return dequantize_sum_typed(data, scales, num_rows, static_cast<float*>(out), numel, format);
-    case DType::kBFloat16: return dequantize_sum_typed(data, scales, num_rows, static_cast<BFloat16*>(out), numel, format);
-    case DType::kFloat16: return dequantize_sum_typed(data, scales, num_rows, static_cast<Half*>(out), numel, format);
+    case DType::kFloat32: return dequantize_sum_typed(data, scales, num_rows, static_cast<float*>(out), numel, format, num_threads);
+    case DType::kBFloat16: return dequantize_sum_typed(data, scales, num_rows, static_cast<BFloat16*>(out), numel, format, num_threads);
+    case DType::kFloat16: return dequantize_sum_typed(data, scales, num_rows, static_cast<Half*>(out), numel, format, num_threads);
     default: throw bad_dtype("dequantize_sum", dtype);
   }
 }
