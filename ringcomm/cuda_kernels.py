@@ -15,16 +15,16 @@ import torch
 from .ops import LOW_PRECISION, ReduceOp, dtype_code, to_reduce_op
 
 
-def _source() -> Path:
-    """reduce.cu: package data in an installed ringcomm (setup.py copies csrc/cuda
+def source_path(name: str = "reduce.cu") -> Path:
+    """A kernel source: package data in an installed ringcomm (setup.py copies csrc/cuda
     there), else csrc/cuda of the source tree (an editable install)."""
-    installed = importlib.resources.files("ringcomm") / "cuda" / "reduce.cu"
+    installed = importlib.resources.files("ringcomm") / "cuda" / name
     if installed.is_file():
         return Path(str(installed))
-    return Path(str(importlib.resources.files("ringcomm"))).parent / "csrc" / "cuda" / "reduce.cu"
+    return Path(str(importlib.resources.files("ringcomm"))).parent / "csrc" / "cuda" / name
 
 
-SOURCE = _source()
+SOURCE = source_path("reduce.cu")
 MAX_SOURCES = 8  # kMaxSources in reduce.cu: source pointers per launch
 THREADS = 256  # kThreads
 MAX_BLOCKS = 4096  # kMaxBlocks
@@ -34,22 +34,26 @@ CAST_DTYPES = {(torch.float32, torch.bfloat16), (torch.float32, torch.float16),
 
 
 @functools.cache
-def _load() -> tuple[dict[str, Any], str | None]:
-    """({kernel name: cupy.RawKernel}, None) when the kernels can run here, else ({}, why not)."""
+def compile_kernels(source: Path, names: tuple[str, ...]) -> tuple[dict[str, Any], str | None]:
+    """({kernel name: cupy.RawKernel}, None) when the kernels of `source` can run here, else ({}, why not)."""
     if not torch.cuda.is_available():
         return {}, "no CUDA device (torch.cuda.is_available() is False)"
     try:
         import cupy
     except Exception as exc:  # not installed, or built for another CUDA
         return {}, f"cupy is not importable ({exc!r}); install the extra: pip install 'ringcomm[cuda]'"
-    if not SOURCE.is_file():
-        return {}, f"kernel source {SOURCE} is missing"
+    if not source.is_file():
+        return {}, f"kernel source {source} is missing"
     try:
-        module = cupy.RawModule(code=SOURCE.read_text(), options=("--std=c++17",))
+        module = cupy.RawModule(code=source.read_text(), options=("--std=c++17",))
         with cupy.cuda.Device(torch.cuda.current_device()):  # compiles now, so a failure shows here
-            return {name: module.get_function(name) for name in ("ringcomm_reduce", "ringcomm_cast")}, None
+            return {name: module.get_function(name) for name in names}, None
     except Exception as exc:
-        return {}, f"compiling {SOURCE.name} with cupy failed: {exc}"
+        return {}, f"compiling {source.name} with cupy failed: {exc}"
+
+
+def _load() -> tuple[dict[str, Any], str | None]:
+    return compile_kernels(SOURCE, ("ringcomm_reduce", "ringcomm_cast"))
 
 
 def available() -> bool:
@@ -57,15 +61,19 @@ def available() -> bool:
     return bool(_load()[0])
 
 
-def _launch(name: str, device: torch.device, num_blocks: int, args: tuple) -> None:
-    kernels, why = _load()
+def launch(kernels: dict[str, Any], why: str | None, name: str, device: torch.device, grid: int, args: tuple) -> None:
+    """Queues kernel `name` of `kernels` (grid blocks of THREADS threads) on torch's current stream."""
     if not kernels:
         raise RuntimeError(f"ringcomm.cuda_kernels: cannot launch {name}: CUDA kernels unavailable: {why}")
     import cupy
 
     stream = torch.cuda.current_stream(device).cuda_stream
     with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(stream):
-        kernels[name]((num_blocks,), (THREADS,), args)
+        kernels[name]((grid,), (THREADS,), args)
+
+
+def _launch(name: str, device: torch.device, num_blocks: int, args: tuple) -> None:
+    launch(*_load(), name, device, num_blocks, args)
 
 
 def _num_blocks(numel: int, elements_per_thread: int) -> int:

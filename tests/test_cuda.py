@@ -78,6 +78,19 @@ def test_nvcc_compiles_and_launchers_link(tmp_path):
     assert cast(0, 2, 0, 3, 4, 0) == 1, "bf16 <- fp16 is not a cast it offers"
     assert cast(0, 2, 0, 0, 0, 0) == 0, "numel 0 is a no-op"
 
+    # quant.cu's launchers: (dtype, numel, bits, block[, num_rows]) checked the same way
+    quantize, dequantize_sum = lib.ringcomm_cuda_quantize, lib.ringcomm_cuda_dequantize_sum
+    quantize.argtypes = [ctypes.c_ulonglong, ctypes.c_int, ctypes.c_longlong, ctypes.c_ulonglong, ctypes.c_ulonglong,
+                         ctypes.c_int, ctypes.c_longlong, ctypes.c_ulonglong]
+    dequantize_sum.argtypes = [ctypes.c_ulonglong, ctypes.c_ulonglong, ctypes.c_int, ctypes.c_ulonglong, ctypes.c_int,
+                               ctypes.c_longlong, ctypes.c_int, ctypes.c_longlong, ctypes.c_ulonglong]
+    for case, (dtype, numel, bits, block) in {"float64": (1, 4, 8, 4), "bits 3": (0, 4, 3, 4), "block 0": (0, 4, 8, 0),
+                                              "odd int4 block": (2, 4, 4, 3), "numel < 0": (0, -1, 8, 4)}.items():
+        assert quantize(0, dtype, numel, 0, 0, bits, block, 0) == 1, case
+        assert dequantize_sum(0, 0, 1, 0, dtype, numel, bits, block, 0) == 1, case
+    assert dequantize_sum(0, 0, 0, 0, 0, 4, 8, 4, 0) == 1, "no rows"
+    assert quantize(0, 0, 0, 0, 0, 4, 2, 0) == 0 and dequantize_sum(0, 0, 2, 0, 3, 0, 8, 4, 0) == 0, "numel 0"
+
 
 def test_device_code_needs_no_header():
     # NVRTC (CuPy) compiles the file as it is: any #include must sit in the nvcc-only host part.

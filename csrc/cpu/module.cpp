@@ -12,6 +12,7 @@
 #include "adam.h"
 #include "module_lean.h"
 #include "process.h"
+#include "quant.h"
 #include "reduce.h"
 #include "shm.h"
 #include "shm_map.h"
@@ -47,6 +48,19 @@ void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp
                       ringcomm::AdamHyper{lr, beta1, beta2, eps, weight_decay, step, grad_coef, adamw}, num_threads);
 }
 
+void quantize(uintptr_t x, int dtype, int64_t numel, uintptr_t data, uintptr_t scales, int bits, int64_t block,
+              int num_threads) {
+  ringcomm::quantize(reinterpret_cast<const void*>(x), ringcomm::to_dtype(dtype), numel, reinterpret_cast<uint8_t*>(data),
+                     reinterpret_cast<float*>(scales), ringcomm::QuantFormat{bits, block}, num_threads);
+}
+
+void dequantize_sum(uintptr_t data, uintptr_t scales, int num_rows, uintptr_t out, int dtype, int64_t numel, int bits,
+                    int64_t block, int num_threads) {
+  ringcomm::dequantize_sum(reinterpret_cast<const uint8_t*>(data), reinterpret_cast<const float*>(scales), num_rows,
+                           reinterpret_cast<void*>(out), ringcomm::to_dtype(dtype), numel,
+                           ringcomm::QuantFormat{bits, block}, num_threads);
+}
+
 // The capsule of ShmComm._handle owns a reference to the comm, so a lean call
 // that holds it keeps the comm alive ([Note: close and abort]).
 void release_comm(PyObject* capsule) {
@@ -73,6 +87,12 @@ PYBIND11_MODULE(_C, m) {
         py::arg("out_dtype"), py::arg("numel"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
         py::arg("weight_decay"), py::arg("step"), py::arg("grad_coef"), py::arg("adamw"), py::arg("num_threads"),
         no_gil);
+  m.def("quantize", &quantize, "blockwise int8/int4 quantization of numel elements into data and scales",
+        py::arg("x"), py::arg("dtype"), py::arg("numel"), py::arg("data"), py::arg("scales"), py::arg("bits"),
+        py::arg("block"), py::arg("num_threads") = 1, no_gil);
+  m.def("dequantize_sum", &dequantize_sum, "out = sum of the dequantized rows, in float32, rounded once",
+        py::arg("data"), py::arg("scales"), py::arg("num_rows"), py::arg("out"), py::arg("dtype"), py::arg("numel"),
+        py::arg("bits"), py::arg("block"), py::arg("num_threads") = 1, no_gil);
 
   m.def("process_state", [](int64_t pid) { return static_cast<int>(ringcomm::process_state(pid)); },
         "what a process of this host does: an index of ringcomm.host.PROCESS_STATES", py::arg("pid"));

@@ -1,0 +1,117 @@
+"""Blockwise quantization kernels (ringcomm.quant) against torch doing the same work and
+against the same run's memcpy, one process, GB/s per byte of the float side.
+
+    python benchmarks/quant.py [--sizes-mib 1,4,16,64] [--repeats 7] [--quick] [--json PATH]
+
+For bf16 and fp32 inputs of each size: int8 (block 4096, qwZ) and int4 (block 1024, qgZ);
+ops quantize, dequantize, dequantize_sum with k = 2 and 4 (GB/s counts the float output
+once, as a fused kernel writes it). "torch" is the vectorised plain-torch reference of
+tests/quant_reference.py (same results bit for bit). "memcpy" is torch's dst.copy_(src) of
+the float side's bytes; ratio = ours / memcpy.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+import quant_reference as ref  # noqa: E402
+import torch  # noqa: E402
+
+from ringcomm import quant  # noqa: E402
+
+FORMATS = {"int8": (8, 4096), "int4": (4, 1024)}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes-mib", default="1,4,16,64", help="float-side MiB, comma-separated")
+    p.add_argument("--repeats", type=int, default=7, help="timed repetitions; the median is reported")
+    p.add_argument("--quick", action="store_true", help="1 and 16 MiB, 3 repeats")
+    p.add_argument("--no-torch", action="store_true", help="skip the plain-torch rows (slow at 64 MiB)")
+    p.add_argument("--json", default="bench-results/quant.json")
+    return p.parse_args(argv)
+
+
+def median_s(fn, repeats: int) -> float:
+    fn()  # warm: page faults, caches
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def cases(x: torch.Tensor, bits: int, block: int) -> dict:
+    """{op: (ours, torch)} closures doing the same work on x's data."""
+    n, dtype = x.numel(), x.dtype
+    data, scales = quant.quantize(x, bits=bits, block=block)
+    out = torch.empty_like(x)
+    rows = {k: (data.expand(k, -1).contiguous(), scales.expand(k, -1).contiguous()) for k in (2, 4)}
+    ops = {"quantize": (lambda: quant.quantize_into(x, data, scales, bits=bits, block=block),
+                        lambda: ref.quantize(x, bits=bits, block=block)),
+           "dequantize": (lambda: quant.dequantize(data, scales, out, bits=bits, block=block),
+                          lambda: ref.dequantize(data, scales, n, dtype, bits=bits, block=block))}
+    for k, (d, s) in rows.items():
+        ops[f"dequantize_sum k={k}"] = (
+            lambda d=d, s=s: quant.dequantize_sum(d, s, out, bits=bits, block=block),
+            lambda d=d, s=s: ref.dequantize_sum(d, s, n, dtype, bits=bits, block=block))
+    return ops
+
+
+def measure(args: argparse.Namespace) -> list[dict]:
+    sizes = [1, 16] if args.quick else [int(s) for s in args.sizes_mib.split(",")]
+    repeats = 3 if args.quick else args.repeats
+    results = []
+    for mib in sizes:
+        for dname, dtype in DTYPES.items():
+            numel = (mib << 20) // torch.finfo(dtype).bits * 8
+            x = torch.randn(numel).to(dtype)
+            dst = torch.empty_like(x)
+            nbytes = x.numel() * x.element_size()
+            memcpy = nbytes / median_s(lambda: dst.copy_(x), repeats) / 1e9
+            for fname, (bits, block) in FORMATS.items():
+                for op, (ours, theirs) in cases(x, bits, block).items():
+                    row = {"mib": mib, "dtype": dname, "format": fname, "op": op, "memcpy_gbps": memcpy,
+                           "ours_gbps": nbytes / median_s(ours, repeats) / 1e9, "torch_gbps": None}
+                    if not args.no_torch:
+                        row["torch_gbps"] = nbytes / median_s(theirs, max(1, repeats // 2)) / 1e9
+                    row["ratio_memcpy"] = row["ours_gbps"] / memcpy
+                    results.append(row)
+                    print_row(row)
+    return results
+
+
+def print_row(row: dict) -> None:
+    torch_gbps = row["torch_gbps"]
+    torch_text = f"{torch_gbps:8.2f} {row['ours_gbps'] / torch_gbps:7.1f}x" if torch_gbps else f"{'-':>8} {'-':>8}"
+    print(f"{row['mib']:>4} {row['dtype']:>5} {row['format']:>5} {row['op']:<20} {row['ours_gbps']:8.2f} "
+          f"{torch_text} {row['memcpy_gbps']:8.2f} {row['ratio_memcpy']:7.2f}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    with open("/proc/loadavg") as f:
+        loadavg = f.read().split()[:3]
+    print(f"loadavg {' '.join(loadavg)}; torch threads {torch.get_num_threads()}")
+    print(f"{'MiB':>4} {'dtype':>5} {'fmt':>5} {'op':<20} {'ours':>8} {'torch':>8} {'vs torch':>8} "
+          f"{'memcpy':>8} {'/memcpy':>7}   (GB/s of the float side)")
+    report = {"loadavg": loadavg, "torch_threads": torch.get_num_threads(), "results": measure(args)}
+    if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+// Blockwise quantization kernels ([Note: quantized blocks] in ringcomm/quant.py).
+// A block's absmax is found on the raw bits: |x| as an unsigned pattern orders
+// as the floats do, and every NaN and inf lies at or above the infinity
+// pattern, so one integer max finds the absmax and the non-finite case at once
+// (a float max would drop NaN). The rest runs over tiles that the compiler
+// vectorizes; the float ops are exactly those of the format (no FMA: a product
+// and the sum it feeds are separate loops).
+#include "quant.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "convert.h"
+
+namespace ringcomm {
+namespace {
+
+constexpr int64_t kTile = 1024;  // elements per tile; even, so a tile starts on a byte of int4 pairs
+constexpr int64_t kMinThreadNumel = 1 << 18;  // elements per extra thread, at least: a thread costs ~20 us
+
+// Runs fn(first_block, end_block) over [0, num_blocks) split in contiguous ranges, one per thread.
+template <typename Fn>
+void parallel_blocks(int64_t numel, QuantFormat f, int num_threads, Fn fn) {
+  const int64_t blocks = num_blocks(numel, f.block);
+  const int64_t useful = std::max<int64_t>(1, std::min<int64_t>(blocks, numel / kMinThreadNumel));
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(num_threads, useful));
+  const int64_t per = (blocks + threads - 1) / threads;
+  std::vector<std::thread> workers;
+  for (int64_t t = 1; t < threads && t * per < blocks; ++t) workers.emplace_back(fn, t * per, std::min(blocks, (t + 1) * per));
+  fn(0, std::min(blocks, per));
+  for (auto& worker : workers) worker.join();
+}
+
+template <typename T> struct AbsBits;
+template <> struct AbsBits<float> { using U = uint32_t; static constexpr U kMask = 0x7fffffffu, kInf = 0x7f800000u; };
+template <> struct AbsBits<BFloat16> { using U = uint16_t; static constexpr U kMask = 0x7fff, kInf = 0x7f80; };
+template <> struct AbsBits<Half> { using U = uint16_t; static constexpr U kMask = 0x7fff, kInf = 0x7c00; };
+
+template <typename T>
+typename AbsBits<T>::U absmax_bits(const T* x, int64_t len) {
+  using U = typename AbsBits<T>::U;
+  const U* bits = reinterpret_cast<const U*>(x);
+  U m = 0;
+  for (int64_t i = 0; i < len; ++i) {
+    const U a = static_cast<U>(bits[i] & AbsBits<T>::kMask);
+    m = a > m ? a : m;
+  }
+  return m;
+}
+
+template <typename T> float bits_to_float(typename AbsBits<T>::U bits) {
+  T v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return load(v);
+}
+
+// q = clamp(round_half_to_even(x * inv), -qmax, qmax); a NaN product (0 * inf,
+// where absmax < qmax / FLT_MAX) gives 0. Adding 1.5 * 2^23 rounds |y| <= 2^22
+// half to even and leaves the integer in the low mantissa bits.
+void quantize_tile(const float* x, int8_t* q, int64_t len, float inv, float qmax) {
+  for (int64_t i = 0; i < len; ++i) {
+    float y = x[i] * inv;
+    y = y > qmax ? qmax : y;
+    y = y < -qmax ? -qmax : y;
+    y = y == y ? y : 0.0f;
+    const float shifted = y + 12582912.0f;
+    int32_t bits;
+    std::memcpy(&bits, &shifted, sizeof(bits));
+    q[i] = static_cast<int8_t>(bits - 0x4B400000);
+  }
+}
+
+// Element 2i in the low nibble, 2i+1 in the high one, each as q + 8; an odd
+// last element leaves its high nibble 0.
+void pack_nibbles(const int8_t* q, uint8_t* data, int64_t len) {
+  for (int64_t i = 0; i < len / 2; ++i) data[i] = static_cast<uint8_t>((q[2 * i] + 8) | ((q[2 * i + 1] + 8) << 4));
+  if (len & 1) data[len / 2] = static_cast<uint8_t>(q[len - 1] + 8);
+}
+
+// A block of zeros (scale 0) or with a NaN or inf (scale NaN): every q is 0.
+void fill_zero_block(uint8_t* data, int64_t len, int bits) {
+  if (bits == 8) return static_cast<void>(std::memset(data, 0, static_cast<size_t>(len)));
+  std::memset(data, 0x88, static_cast<size_t>(len / 2));
+  if (len & 1) data[len / 2] = 0x08;
+}
+
+template <typename T>
+void quantize_block(const T* x, int64_t len, uint8_t* data, float* scale, int bits) {
+  const float qmax = bits == 8 ? 127.0f : 7.0f;
+  const auto m = absmax_bits(x, len);
+  if (m == 0 || m >= AbsBits<T>::kInf) {
+    *scale = m == 0 ? 0.0f : std::numeric_limits<float>::quiet_NaN();
+    return fill_zero_block(data, len, bits);
+  }
+  const float absmax = bits_to_float<T>(m);
+  *scale = absmax / qmax;
+  const float inv = qmax / absmax;
+  alignas(64) float wide[kTile];
+  alignas(64) int8_t q[kTile];
+  for (int64_t begin = 0; begin < len; begin += kTile) {
+    const int64_t n = std::min(kTile, len - begin);
+    const float* src = wide;
+    if constexpr (std::is_same_v<T, float>) src = x + begin;
+    else widen(x + begin, wide, n);
+    if (bits == 8) {
+      quantize_tile(src, reinterpret_cast<int8_t*>(data + begin), n, inv, qmax);
+    } else {
+      quantize_tile(src, q, n, inv, qmax);
+      pack_nibbles(q, data + begin / 2, n);
+    }
+  }
+}
+
+template <typename T>
+void quantize_typed(const T* x, int64_t numel, uint8_t* data, float* scales, QuantFormat f, int num_threads) {
+  parallel_blocks(numel, f, num_threads, [=](int64_t first, int64_t end) {
+    for (int64_t b = first; b < end; ++b) {
+      const int64_t begin = b * f.block, len = std::min(f.block, numel - begin);
+      quantize_block(x + begin, len, data + (f.bits == 8 ? begin : begin / 2), scales + b, f.bits);
+    }
+  });
+}
+
+// out = float(q) * scale for one tile of int8 bytes or int4 nibble pairs.
+void dequantize_tile(const uint8_t* data, float scale, float* out, int64_t len, int bits) {
+  if (bits == 8) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(data);
+    for (int64_t i = 0; i < len; ++i) out[i] = static_cast<float>(q[i]) * scale;
+    return;
+  }
+  for (int64_t i = 0; i < len / 2; ++i) {
+    out[2 * i] = static_cast<float>((data[i] & 15) - 8) * scale;
+    out[2 * i + 1] = static_cast<float>((data[i] >> 4) - 8) * scale;
+  }
+  if (len & 1) out[len - 1] = static_cast<float>((data[len / 2] & 15) - 8) * scale;
+}
+
+void add_tile(float* acc, const float* next, int64_t len) {
+  for (int64_t i = 0; i < len; ++i) acc[i] = acc[i] + next[i];
+}
+
+template <typename T>
+void dequantize_sum_range(const uint8_t* data, const float* scales, int num_rows, T* out, int64_t numel,
+                          QuantFormat f, int64_t first_block, int64_t end_block) {
+  const int64_t row_nbytes = packed_nbytes(numel, f.bits), row_scales = num_blocks(numel, f.block);
+  alignas(64) float acc[kTile];
+  alignas(64) float next[kTile];
+  for (int64_t b = first_block; b < end_block; ++b) {
+    const int64_t block_end = std::min((b + 1) * f.block, numel);
+    for (int64_t begin = b * f.block; begin < block_end; begin += kTile) {
+      const int64_t n = std::min(kTile, block_end - begin), byte = f.bits == 8 ? begin : begin / 2;
+      float* first = acc;
+      if constexpr (std::is_same_v<T, float>) first = num_rows == 1 ? out + begin : acc;
+      dequantize_tile(data + byte, scales[b], first, n, f.bits);
+      for (int j = 1; j < num_rows; ++j) {
+        dequantize_tile(data + j * row_nbytes + byte, scales[j * row_scales + b], next, n, f.bits);
+        add_tile(acc, next, n);
+      }
+      if (first != acc) continue;
+      if constexpr (std::is_same_v<T, float>) std::memcpy(out + begin, acc, static_cast<size_t>(n) * sizeof(float));
+      else narrow(acc, out + begin, n);
+    }
+  }
+}
+
+template <typename T>
+void dequantize_sum_typed(const uint8_t* data, const float* scales, int num_rows, T* out, int64_t numel,
+                          QuantFormat f, int num_threads) {
+  parallel_blocks(numel, f, num_threads, [=](int64_t first, int64_t end) {
+    dequantize_sum_range(data, scales, num_rows, out, numel, f, first, end);
+  });
+}
+
+void check_format(const char* op, int64_t numel, QuantFormat f, int num_threads) {
+  if (f.bits != 4 && f.bits != 8) throw std::invalid_argument(std::string(op) + ": bits=" + std::to_string(f.bits) + ", expected 4 or 8");
+  if (f.block < 1 || (f.bits == 4 && f.block % 2 != 0)) {
+    throw std::invalid_argument(std::string(op) + ": block=" + std::to_string(f.block) + " must be >= 1, and even for 4 bits");
+  }
+  if (numel < 0 || num_threads < 1) {
+    throw std::invalid_argument(std::string(op) + ": numel=" + std::to_string(numel) + ", num_threads=" +
+                                std::to_string(num_threads) + " (expected numel >= 0, num_threads >= 1)");
+  }
+}
+
+std::invalid_argument bad_dtype(const char* op, DType dtype) {
+  return std::invalid_argument(std::string(op) + ": dtype code " + std::to_string(static_cast<int>(dtype)) +
+                               ", expected float32, bfloat16 or float16");
+}
+
+}  // namespace
+
+int64_t packed_nbytes(int64_t numel, int bits) { return bits == 4 ? (numel + 1) / 2 : numel; }
+
+int64_t num_blocks(int64_t numel, int64_t block) { return (numel + block - 1) / block; }
+
+void quantize(const void* x, DType dtype, int64_t numel, uint8_t* data, float* scales, QuantFormat format,
+              int num_threads) {
+  check_format("quantize", numel, format, num_threads);
+  switch (dtype) {
+    case DType::kFloat32: return quantize_typed(static_cast<const float*>(x), numel, data, scales, format, num_threads);
+    case DType::kBFloat16: return quantize_typed(static_cast<const BFloat16*>(x), numel, data, scales, format, num_threads);
+    case DType::kFloat16: return quantize_typed(static_cast<const Half*>(x), numel, data, scales, format, num_threads);
+    default: throw bad_dtype("quantize", dtype);
+  }
+}
+
+void dequantize_sum(const uint8_t* data, const float* scales, int num_rows, void* out, DType dtype, int64_t numel,
+                    QuantFormat format, int num_threads) {
+  check_format("dequantize_sum", numel, format, num_threads);
+  if (num_rows < 1) throw std::invalid_argument("dequantize_sum: num_rows=" + std::to_string(num_rows) + " < 1");
+  switch (dtype) {
+    case DType::kFloat32: return dequantize_sum_typed(data, scales, num_rows, static_cast<float*>(out), numel, format, num_threads);
+    case DType::kBFloat16: return dequantize_sum_typed(data, scales, num_rows, static_cast<BFloat16*>(out), numel, format, num_threads);
+    case DType::kFloat16: return dequantize_sum_typed(data, scales, num_rows, static_cast<Half*>(out), numel, format, num_threads);
+    default: throw bad_dtype("dequantize_sum", dtype);
+  }
+}
+
+}  // namespace ringcomm
