@@ -14,7 +14,7 @@ from torch import nn
 
 from harness import run_ranks
 
-VOCAB, BLOCK, EMBD, LAYERS, BATCH = 64, 16, 32, 2, 8
+VOCAB, BLOCK, EMBD, LAYERS, BATCH = 64, 16, 32, 1, 8
 STEPS = 300
 HOSTS = ("a", "a", "b", "b")
 RUNS = {
@@ -70,7 +70,7 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 def config(**zeropp) -> dict:
     return {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
             "steps_per_print": 10**6, "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
-            "zero_optimization": {"stage": 3, "reduce_bucket_size": 4000, "stage3_param_persistence_threshold": 0,
+            "zero_optimization": {"stage": 3, "reduce_bucket_size": 20_000, "stage3_param_persistence_threshold": 100,
                                   **zeropp}}
 
 
@@ -90,7 +90,7 @@ def _train(rank: int, world_size: int, steps: int) -> dict:
             losses.append(loss.item())
             sent.append(engine.last_step_sent_nbytes)
         report = engine.memory_report()
-        out[name] = {"losses": losses, "sent": sent[-1], "secondary": report.secondary_params_nbytes,
+        out[name] = {"losses": losses, "sent": sent[-1], "across": engine.wire_report().across_host_nbytes, "secondary": report.secondary_params_nbytes,
                      "transport": engine.parts.comm.group.transport.kind,
                      "params": [p.detach().numpy().copy() for p in engine.parts.group.full_masters()]}
         engine.destroy()
@@ -107,17 +107,20 @@ def test_zeropp_trains_like_stage3_on_two_hosts():
     assert runs["hpZ"]["losses"] == plain
     for got, want in zip(runs["hpZ"]["params"], runs["plain"]["params"], strict=True):
         assert (got == want).all()
-    final = sum(plain[-10:]) / 10
+    final = sum(plain[-20:]) / 20  # the final loss: the mean of the last 20 steps' batches
     for name in ("qwZ", "qgZ", "all"):
         losses = runs[name]["losses"]
         assert all(math.isfinite(x) for x in losses), name
-        mine = sum(losses[-10:]) / 10
+        mine = sum(losses[-20:]) / 20
         assert abs(mine - final) <= 0.01 * final, (name, mine, final)
     assert runs["hpZ"]["secondary"] > 0 and runs["plain"]["secondary"] == 0
     # with all three, a step sends a fraction of plain stage 3's bytes (the wire test measures across hosts)
     assert runs["all"]["sent"] < 0.5 * runs["plain"]["sent"], (runs["all"]["sent"], runs["plain"]["sent"])
-    for rank_runs in results[1:]:  # every rank saw the same losses
-        assert rank_runs["all"]["losses"] == runs["all"]["losses"]
+    # and what crosses hosts is under 0.3x (ideal 0.25x for bf16; here fp32 weights: qwZ sends 1/4 of them)
+    assert runs["all"]["across"] <= 0.3 * runs["plain"]["across"], (runs["all"]["across"], runs["plain"]["across"])
+    for rank_runs in results[1:]:  # every rank ends with the same parameters
+        for got, want in zip(rank_runs["all"]["params"], runs["all"]["params"], strict=True):
+            assert (got == want).all()
 
 
 def _errors(rank: int, world_size: int, hosts: tuple[str, ...]) -> list[str]:
