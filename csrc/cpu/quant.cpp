@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "convert.h"
+#include "quant_simd.h"
 
 namespace ringcomm {
 namespace {
@@ -103,7 +104,7 @@ void quantize_block(const T* x, int64_t len, uint8_t* data, float* scale, int bi
   const float inv = qmax / absmax;
   alignas(64) float wide[kTile];
   alignas(64) int8_t q[kTile];
-  for (int64_t begin = 0; begin < len; begin += kTile) {
+  for (int64_t begin = quantize_lanes(x, len, data, inv, qmax, bits); begin < len; begin += kTile) {
     const int64_t n = std::min(kTile, len - begin);
     const float* src = wide;
     if constexpr (std::is_same_v<T, float>) src = x + begin;
@@ -152,8 +153,10 @@ void dequantize_sum_range(const uint8_t* data, const float* scales, int num_rows
   alignas(64) float acc[kTile];
   alignas(64) float next[kTile];
   for (int64_t b = first_block; b < end_block; ++b) {
-    const int64_t block_end = std::min((b + 1) * f.block, numel);
-    for (int64_t begin = b * f.block; begin < block_end; begin += kTile) {
+    const int64_t block_begin = b * f.block, block_end = std::min(block_begin + f.block, numel);
+    const BlockRows rows{data + (f.bits == 8 ? block_begin : block_begin / 2), row_nbytes, scales + b, row_scales, num_rows};
+    const int64_t done = dequantize_sum_lanes(rows, out + block_begin, block_end - block_begin, f.bits);
+    for (int64_t begin = block_begin + done; begin < block_end; begin += kTile) {
       const int64_t n = std::min(kTile, block_end - begin), byte = f.bits == 8 ? begin : begin / 2;
       float* first = acc;
       if constexpr (std::is_same_v<T, float>) first = num_rows == 1 ? out + begin : acc;
