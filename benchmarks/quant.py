@@ -106,7 +106,7 @@ def print_row(row: dict) -> None:
     torch_gbps = row["torch_gbps"]
     torch_text = f"{torch_gbps:8.2f} {row['ours_gbps'] / torch_gbps:7.1f}x" if torch_gbps else f"{'-':>8} {'-':>8}"
     print(f"{row['mib']:>4} {row['dtype']:>5} {row['format']:>5} {row['op']:<20} {row['ours_gbps']:8.2f} "
-          f"{torch_text} {row['memcpy_gbps']:8.2f} {row['ratio_memcpy']:7.2f}", flush=True)
+          f"{torch_text} {row['memcpy_gbps']:8.2f} {row['ratio_memcpy']:7.2f} {row['ratio_touched']:8.2f}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> dict:
