@@ -7,7 +7,9 @@ For bf16 and fp32 inputs of each size: int8 (block 4096, qwZ) and int4 (block 10
 ops quantize, dequantize, dequantize_sum with k = 2 and 4 (GB/s counts the float output
 once, as a fused kernel writes it). "torch" is the vectorised plain-torch reference of
 tests/quant_reference.py (same results bit for bit). "memcpy" is torch's dst.copy_(src) of
-the float side's bytes; ratio = ours / memcpy.
+the float side's bytes; /memcpy = ours / memcpy. /touched judges the kernel by all the bytes it
+reads and writes (float side, data and scales of every row) against memcpy moving as many
+(it reads and writes each byte it copies): touched bytes per second / (2 * memcpy).
 """
 from __future__ import annotations
 
@@ -68,6 +70,12 @@ def cases(x: torch.Tensor, bits: int, block: int) -> dict:
     return ops
 
 
+def touched_nbytes(op: str, nbytes: int, numel: int, bits: int, block: int) -> int:
+    """Bytes an op reads plus writes: the float side once, data and scales once per row."""
+    rows = int(op.split("k=")[1]) if "k=" in op else 1
+    return nbytes + rows * (quant.packed_nbytes(numel, bits) + 4 * quant.num_blocks(numel, block))
+
+
 def measure(args: argparse.Namespace) -> list[dict]:
     sizes = [1, 16] if args.quick else [int(s) for s in args.sizes_mib.split(",")]
     repeats = 3 if args.quick else args.repeats
@@ -81,11 +89,14 @@ def measure(args: argparse.Namespace) -> list[dict]:
             memcpy = nbytes / median_s(lambda: dst.copy_(x), repeats) / 1e9
             for fname, (bits, block) in FORMATS.items():
                 for op, (ours, theirs) in cases(x, bits, block).items():
+                    seconds = median_s(ours, repeats)
                     row = {"mib": mib, "dtype": dname, "format": fname, "op": op, "memcpy_gbps": memcpy,
-                           "ours_gbps": nbytes / median_s(ours, repeats) / 1e9, "torch_gbps": None}
+                           "ours_gbps": nbytes / seconds / 1e9, "torch_gbps": None}
                     if not args.no_torch:
                         row["torch_gbps"] = nbytes / median_s(theirs, max(1, repeats // 2)) / 1e9
                     row["ratio_memcpy"] = row["ours_gbps"] / memcpy
+                    touched = touched_nbytes(op, nbytes, numel, bits, block)
+                    row["ratio_touched"] = touched / seconds / 1e9 / (2 * memcpy)
                     results.append(row)
                     print_row(row)
     return results
@@ -95,7 +106,7 @@ def print_row(row: dict) -> None:
     torch_gbps = row["torch_gbps"]
     torch_text = f"{torch_gbps:8.2f} {row['ours_gbps'] / torch_gbps:7.1f}x" if torch_gbps else f"{'-':>8} {'-':>8}"
     print(f"{row['mib']:>4} {row['dtype']:>5} {row['format']:>5} {row['op']:<20} {row['ours_gbps']:8.2f} "
-          f"{torch_text} {row['memcpy_gbps']:8.2f} {row['ratio_memcpy']:7.2f}", flush=True)
+          f"{torch_text} {row['memcpy_gbps']:8.2f} {row['ratio_memcpy']:7.2f} {row['ratio_touched']:8.2f}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -104,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
         loadavg = f.read().split()[:3]
     print(f"loadavg {' '.join(loadavg)}; torch threads {torch.get_num_threads()}")
     print(f"{'MiB':>4} {'dtype':>5} {'fmt':>5} {'op':<20} {'ours':>8} {'torch':>8} {'vs torch':>8} "
-          f"{'memcpy':>8} {'/memcpy':>7}   (GB/s of the float side)")
+          f"{'memcpy':>8} {'/memcpy':>7} {'/touched':>8}   (GB/s of the float side)")
     report = {"loadavg": loadavg, "torch_threads": torch.get_num_threads(), "results": measure(args)}
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)

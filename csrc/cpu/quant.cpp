@@ -17,18 +17,22 @@
 #include <vector>
 
 #include "convert.h"
+#include "quant_simd.h"
 
 namespace ringcomm {
 namespace {
 
 constexpr int64_t kTile = 1024;  // elements per tile; even, so a tile starts on a byte of int4 pairs
-constexpr int64_t kMinThreadNumel = 1 << 18;  // elements per extra thread, at least: a thread costs ~20 us
+// Element-rows per extra thread, at least: a thread costs ~20 us to start and
+// join, and a row of 2^20 elements takes ~50-250 us on one core.
+constexpr int64_t kMinThreadWork = 1 << 20;
 
-// Runs fn(first_block, end_block) over [0, num_blocks) split in contiguous ranges, one per thread.
+// Runs fn(first_block, end_block) over [0, num_blocks) split in contiguous ranges, one per thread;
+// the work is numel elements of each of num_rows rows.
 template <typename Fn>
-void parallel_blocks(int64_t numel, QuantFormat f, int num_threads, Fn fn) {
+void parallel_blocks(int64_t numel, int num_rows, QuantFormat f, int num_threads, Fn fn) {
   const int64_t blocks = num_blocks(numel, f.block);
-  const int64_t useful = std::max<int64_t>(1, std::min<int64_t>(blocks, numel / kMinThreadNumel));
+  const int64_t useful = std::max<int64_t>(1, std::min<int64_t>(blocks, numel * num_rows / kMinThreadWork));
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(num_threads, useful));
   const int64_t per = (blocks + threads - 1) / threads;
   std::vector<std::thread> workers;
@@ -103,7 +107,7 @@ void quantize_block(const T* x, int64_t len, uint8_t* data, float* scale, int bi
   const float inv = qmax / absmax;
   alignas(64) float wide[kTile];
   alignas(64) int8_t q[kTile];
-  for (int64_t begin = 0; begin < len; begin += kTile) {
+  for (int64_t begin = quantize_lanes(x, len, data, inv, qmax, bits); begin < len; begin += kTile) {
     const int64_t n = std::min(kTile, len - begin);
     const float* src = wide;
     if constexpr (std::is_same_v<T, float>) src = x + begin;
@@ -119,7 +123,7 @@ void quantize_block(const T* x, int64_t len, uint8_t* data, float* scale, int bi
 
 template <typename T>
 void quantize_typed(const T* x, int64_t numel, uint8_t* data, float* scales, QuantFormat f, int num_threads) {
-  parallel_blocks(numel, f, num_threads, [=](int64_t first, int64_t end) {
+  parallel_blocks(numel, 1, f, num_threads, [=](int64_t first, int64_t end) {
     for (int64_t b = first; b < end; ++b) {
       const int64_t begin = b * f.block, len = std::min(f.block, numel - begin);
       quantize_block(x + begin, len, data + (f.bits == 8 ? begin : begin / 2), scales + b, f.bits);
@@ -152,8 +156,10 @@ void dequantize_sum_range(const uint8_t* data, const float* scales, int num_rows
   alignas(64) float acc[kTile];
   alignas(64) float next[kTile];
   for (int64_t b = first_block; b < end_block; ++b) {
-    const int64_t block_end = std::min((b + 1) * f.block, numel);
-    for (int64_t begin = b * f.block; begin < block_end; begin += kTile) {
+    const int64_t block_begin = b * f.block, block_end = std::min(block_begin + f.block, numel);
+    const BlockRows rows{data + (f.bits == 8 ? block_begin : block_begin / 2), row_nbytes, scales + b, row_scales, num_rows};
+    const int64_t done = dequantize_sum_lanes(rows, out + block_begin, block_end - block_begin, f.bits);
+    for (int64_t begin = block_begin + done; begin < block_end; begin += kTile) {
       const int64_t n = std::min(kTile, block_end - begin), byte = f.bits == 8 ? begin : begin / 2;
       float* first = acc;
       if constexpr (std::is_same_v<T, float>) first = num_rows == 1 ? out + begin : acc;
@@ -172,7 +178,7 @@ void dequantize_sum_range(const uint8_t* data, const float* scales, int num_rows
 template <typename T>
 void dequantize_sum_typed(const uint8_t* data, const float* scales, int num_rows, T* out, int64_t numel,
                           QuantFormat f, int num_threads) {
-  parallel_blocks(numel, f, num_threads, [=](int64_t first, int64_t end) {
+  parallel_blocks(numel, num_rows, f, num_threads, [=](int64_t first, int64_t end) {
     dequantize_sum_range(data, scales, num_rows, out, numel, f, first, end);
   });
 }
