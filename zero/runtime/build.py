@@ -103,15 +103,15 @@ def make_group(buckets: list, cfg: config_mod.EngineConfig, comm, optimizer: tor
 
 
 def use_zeropp(group: ParamGroup, comm, cfg: config_mod.EngineConfig) -> None:
-    """The comm's hosts (for wire_report) and ZeRO++'s keys ([Note: ZeRO++ in zero]), checked against the
-    hosts on every rank."""
-    if comm.world_size == 1:
-        return
+    """The comm's hosts (for wire_report's split; a "torch" comm without ZeRO++ counts no split) and
+    ZeRO++'s keys ([Note: ZeRO++ in zero]), checked against the hosts on every rank."""
+    options = cfg.zero.zeropp
+    if comm.world_size == 1 or (comm.kind != "ringcomm" and options == zeropp.ZeroPPOptions()):
+        return  # a torch comm (maybe NCCL, a device per rank) asks no host names it does not need
     hosts: list[str] = [""] * comm.world_size
     dist.all_gather_object(hosts, host_name())
     transport = getattr(getattr(comm, "group", None), "transport", None)
     comm.topology = Topology(comm.rank, tuple(hosts), hierarchical=getattr(transport, "kind", "") == "hierarchical")
-    options = cfg.zero.zeropp
     if options == zeropp.ZeroPPOptions():
         return
     zeropp.check_placement(options, hosts, comm.kind, cfg.zero.offload_param)
