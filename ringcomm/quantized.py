@@ -36,10 +36,8 @@ import torch
 
 from . import quant
 from .group import Group, resolve_group
-from .ops import LOW_PRECISION, ReduceOp, to_reduce_op
+from .ops import ReduceOp, to_reduce_op
 from .work import Work
-
-FLOATS = (torch.float32, *LOW_PRECISION)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,18 +86,16 @@ def _check(op: str, output: torch.Tensor, input: torch.Tensor, group: Group, bit
     for name, t in (("output", output), ("input", input)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in FLOATS:
-            raise TypeError(f"{op}: {name} dtype {t.dtype} cannot be quantized; expected one of {FLOATS}")
+        if t.dtype not in quant.FLOAT_DTYPES:
+            raise TypeError(f"{op}: {name} dtype {t.dtype} cannot be quantized; expected one of "
+                            f"{list(quant.FLOAT_DTYPES)}")
         if not t.is_contiguous():
             raise ValueError(f"{op}: {name} must be contiguous on rank {group.rank}")
         if not t.is_cpu:
             raise ValueError(f"{op}: {name} is on {t.device}; ringcomm's transports move host memory")
     if output.dtype != input.dtype:
         raise TypeError(f"{op}: output dtype {output.dtype} != input dtype {input.dtype} on rank {group.rank}")
-    if bits not in (4, 8):
-        raise ValueError(f"{op}: bits={bits}; expected 4 or 8")
-    if block < 1 or (bits == 4 and block % 2):
-        raise ValueError(f"{op}: block={block} must be >= 1 (and even for 4 bits)")
+    quant.check_format(op, bits=bits, block=block)
 
 
 def quantized_all_gather(output: torch.Tensor, input: torch.Tensor, group: Group | None = None, *,

@@ -80,11 +80,15 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     work = tmp_path / "elsewhere"
     work.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    where = run([python, "-c", "import ringcomm, zero; from ringcomm import cuda_kernels; "
-                 "print(ringcomm.__file__, zero.__file__, cuda_kernels.SOURCE, cuda_kernels.SOURCE.is_file())"],
+    where = run([python, "-c", "import torch, ringcomm, zero; from ringcomm import cuda_kernels, cuda_quant, quant; "
+                 "x = torch.linspace(-1, 1, 100); q = quant.quantize(x, bits=8, block=32); "
+                 "y = quant.dequantize(*q, torch.empty(100), bits=8, block=32); "
+                 "assert (y - x).abs().max() <= 1 / 254 + 1e-7, (y - x).abs().max(); "
+                 "print(ringcomm.__file__, zero.__file__, cuda_kernels.SOURCE, cuda_quant.SOURCE, "
+                 "cuda_kernels.SOURCE.is_file() and cuda_quant.SOURCE.is_file())"],
                 cwd=work, timeout=120, env=env).split()
-    assert all(path.startswith(str(purelib)) for path in where[:3]), f"not imported from the wheel: {where}"
-    assert where[3] == "True", f"the CUDA source is missing: {where}"
+    assert all(path.startswith(str(purelib)) for path in where[:4]), f"not imported from the wheel: {where}"
+    assert where[4] == "True", f"a CUDA source is missing: {where}"
     estimate = run([python, "-m", "zero.estimate", "--params", "1e9", "--ranks", "8"], cwd=work, timeout=120, env=env)
     assert "stage" in estimate.lower(), estimate
     assert "usage" in run([python, "-m", "zero.to_fp32", "--help"], cwd=work, timeout=120, env=env).lower()

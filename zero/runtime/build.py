@@ -110,8 +110,8 @@ def use_zeropp(group: ParamGroup, comm, cfg: config_mod.EngineConfig) -> None:
         return  # a torch comm (maybe NCCL, a device per rank) asks no host names it does not need
     hosts: list[str] = [""] * comm.world_size
     dist.all_gather_object(hosts, host_name())
-    transport = getattr(getattr(comm, "group", None), "transport", None)
-    comm.topology = Topology(comm.rank, tuple(hosts), hierarchical=getattr(transport, "kind", "") == "hierarchical")
+    hierarchical = comm.kind == "ringcomm" and comm.group.transport.kind == "hierarchical"
+    comm.topology = Topology(comm.rank, tuple(hosts), hierarchical=hierarchical)
     if options == zeropp.ZeroPPOptions():
         return
     zeropp.check_placement(options, hosts, comm.kind, cfg.zero.offload_param)
