@@ -216,3 +216,23 @@ def test_float32_to_16_bit_copy_keeps_inf_and_nan(dtype):
     # weight-decay term to the gradient, so 0 * inf never makes a nan)
     assert_same(master, before, f"{dtype} adam_step master")
     assert_same(out, want, f"{dtype} adam_step copy-out")
+
+
+def test_bfloat16_subnormals_survive_the_rounding():
+    """bfloat16 subnormals (k * 2^-133) summed in float32 round back to the same subnormal sums
+    as torch's conversion, in vectors of 16 holding only subnormals and in vectors where one
+    lane is normal (a hardware conversion that flushes subnormals to zero gives 0 for these)."""
+    gen = torch.Generator().manual_seed(3)
+    for normal_lane in (False, True):
+        srcs = []
+        for _ in range(3):
+            k = torch.randint(-40, 41, (4099,), generator=gen).to(torch.float32)
+            s = (k * 2.0 ** -133).to(torch.bfloat16)
+            if normal_lane:
+                s[::16] = 1.5
+            srcs.append(s)
+        assert bool(srcs[0].float().abs()[1:16].gt(0).any()), "the case must hold subnormals"
+        expected = (srcs[0].float() + srcs[1].float() + srcs[2].float()).to(torch.bfloat16)
+        out = torch.empty(4099, dtype=torch.bfloat16)
+        reduce_into(out, srcs, ReduceOp.SUM)
+        assert torch.equal(out.view(torch.int16), expected.view(torch.int16)), f"{normal_lane=}"

@@ -198,3 +198,68 @@ def test_cpp_checks_its_arguments():
         _C.quantize(0, 1, 4, 0, 0, 8, 4)
     with pytest.raises(ValueError, match="num_rows=0"):
         _C.dequantize_sum(0, 0, 0, 0, 0, 4, 8, 4)
+
+
+# ---- the kernels' worker threads (csrc/cpu/pool.cpp) ----
+def _many_threads_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """data, scales and dequantized values, each kernel on 4 threads (4 parts for 2^18 elements)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        data, scales = quant.quantize(x, bits=4, block=1024)
+        return data, scales, quant.dequantize(data, scales, torch.empty_like(x), bits=4, block=1024)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _child_quantize(x, queue) -> None:
+    # Only ringcomm's kernels here: torch's own parallel ops hang in a child forked after the
+    # parent ran them (GNU OpenMP is not fork-safe).
+    queue.put([t.view(torch.uint8).numpy().tobytes() for t in _many_threads_quantize(x)])
+
+
+def test_worker_threads_under_concurrent_calls_and_after_fork():
+    """Kernels called from several threads at once share the workers (a call that finds them busy
+    runs on its own thread) and still match the reference; a child forked after the parent
+    started its workers starts its own instead of waiting for workers it does not have."""
+    import multiprocessing
+    import threading
+
+    gen = torch.Generator().manual_seed(11)
+    inputs = [random_input(1 << 18, torch.bfloat16, 1024, gen) for _ in range(4)]
+    expected = []
+    for x in inputs:
+        data, scales = ref.quantize(x, bits=4, block=1024)
+        expected.append((data, scales, ref.dequantize(data, scales, x.numel(), x.dtype, bits=4, block=1024)))
+    results, errors = {}, []
+
+    def run(i: int) -> None:
+        try:
+            results[i] = [_many_threads_quantize(inputs[i]) for _ in range(20)]
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors and all(not t.is_alive() for t in threads), errors
+    for i, runs in results.items():
+        for out in runs:
+            for got, want, name in zip(out, expected[i], ("data", "scales", "dequantized")):
+                assert_same_bits(got, want, f"thread {i}: {name}")
+
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child_quantize, args=(inputs[0], queue))
+    child.start()
+    try:
+        out = queue.get(timeout=60)
+    finally:
+        child.join(timeout=10)
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == 0
+    for got, want, name in zip(out, expected[0], ("data", "scales", "dequantized")):
+        assert got == want.view(torch.uint8).numpy().tobytes(), f"forked child: {name}"

@@ -8,9 +8,9 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <type_traits>
-#include <vector>
+
+#include "pool.h"
 
 namespace ringcomm {
 namespace {
@@ -50,12 +50,10 @@ void run(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, Out
          int num_threads) {
   constexpr int64_t kAlign = 64;  // elements: whole cache lines per thread
   const int64_t per = ((numel + num_threads - 1) / num_threads + kAlign - 1) / kAlign * kAlign;
-  std::vector<std::thread> threads;
-  for (int t = 1; t < num_threads && t * per < numel; ++t) {
-    threads.emplace_back(update<Out>, param, grad, exp_avg, exp_avg_sq, out, t * per, std::min(numel, (t + 1) * per), c);
-  }
-  update<Out>(param, grad, exp_avg, exp_avg_sq, out, 0, std::min(numel, per), c);
-  for (auto& thread : threads) thread.join();
+  if (numel == 0) return;
+  parallel_run(static_cast<int>((numel + per - 1) / per), [&](int part) {
+    update<Out>(param, grad, exp_avg, exp_avg_sq, out, part * per, std::min(numel, (part + 1) * per), c);
+  });
 }
 
 }  // namespace

@@ -52,6 +52,15 @@ template <typename T> inline void store16(T* dst, __m512 v) {
   if constexpr (std::is_same_v<T, Half>) {
     return _mm256_storeu_si256(out, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__)
+  // VCVTNEPS2BF16 rounds as f32_to_bf16_bits (to nearest even, a NaN quieted the
+  // same way) but flushes denormal inputs to zero: a vector holding one takes the
+  // integer path below.
+  if (!_mm512_fpclass_ps_mask(v, 0x20)) {
+    const __m256bh narrowed = _mm512_cvtneps_pbh(v);
+    return _mm256_storeu_si256(out, reinterpret_cast<const __m256i&>(narrowed));
+  }
+#endif
   const __m512i bits = _mm512_castps_si512(v), high = _mm512_srli_epi32(bits, 16);
   const __m512i lsb = _mm512_and_si512(high, _mm512_set1_epi32(1));
   __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb), 16);

@@ -12,33 +12,31 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <type_traits>
-#include <vector>
 
 #include "convert.h"
+#include "pool.h"
 #include "quant_simd.h"
 
 namespace ringcomm {
 namespace {
 
 constexpr int64_t kTile = 1024;  // elements per tile; even, so a tile starts on a byte of int4 pairs
-// Element-rows per extra thread, at least: a thread costs ~20 us to start and
-// join, and a row of 2^20 elements takes ~50-250 us on one core.
-constexpr int64_t kMinThreadWork = 1 << 20;
+// Element-rows per extra thread, at least: handing a part to a running pool
+// worker costs ~1 us, and 2^16 elements take ~5-15 us on one core.
+constexpr int64_t kMinThreadWork = 1 << 16;
 
 // Runs fn(first_block, end_block) over [0, num_blocks) split in contiguous ranges, one per thread;
 // the work is numel elements of each of num_rows rows.
 template <typename Fn>
 void parallel_blocks(int64_t numel, int num_rows, QuantFormat f, int num_threads, Fn fn) {
   const int64_t blocks = num_blocks(numel, f.block);
-  const int64_t useful = std::max<int64_t>(1, std::min<int64_t>(blocks, numel * num_rows / kMinThreadWork));
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(num_threads, useful));
+  if (blocks == 0) return;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>({num_threads, blocks, numel * num_rows / kMinThreadWork}));
   const int64_t per = (blocks + threads - 1) / threads;
-  std::vector<std::thread> workers;
-  for (int64_t t = 1; t < threads && t * per < blocks; ++t) workers.emplace_back(fn, t * per, std::min(blocks, (t + 1) * per));
-  fn(0, std::min(blocks, per));
-  for (auto& worker : workers) worker.join();
+  parallel_run(static_cast<int>((blocks + per - 1) / per), [&](int part) {
+    fn(part * per, std::min(blocks, (part + 1) * per));
+  });
 }
 
 template <typename T> struct AbsBits;

@@ -5,6 +5,8 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
+#include <type_traits>
 
 #include "convert.h"
 
@@ -21,38 +23,65 @@ struct BlockRows {
 };
 
 #if defined(RINGCOMM_AVX512)
-// clamp(round_half_to_even(x * inv), -qmax, qmax), a NaN product giving 0. MINPS
-// and MAXPS return their second operand when either is NaN, so a NaN survives
-// the clamp and the ordered mask zeroes it; the conversion rounds to nearest even.
+// round_half_to_even(x * inv). With a finite inv (absmax >= qmax / FLT_MAX) and
+// |x| <= absmax, |x * inv| rounds to at most qmax, so no clamp is needed;
+// otherwise the clamp of the tiles: MINPS and MAXPS return their second operand
+// when either is NaN, so a NaN survives the clamp and the ordered mask zeroes it.
+template <bool kFiniteInv>
 inline __m512i quantize16(__m512 x, __m512 inv, __m512 qmax) {
   __m512 y = _mm512_mul_ps(x, inv);
+  if constexpr (kFiniteInv) return _mm512_cvt_roundps_epi32(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   y = _mm512_min_ps(qmax, y);
   y = _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), qmax), y);
   const __mmask16 ordered = _mm512_cmp_ps_mask(y, y, _CMP_ORD_Q);
   return _mm512_maskz_cvt_roundps_epi32(ordered, y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
-// 8 bits: one byte of q per element. 4 bits: q + 8 per byte, then each 16-bit
-// pair (low byte element 2i) folded into one byte, element 2i + 1 in the high nibble.
+// Elements 2i and 2i + 1 of 32 consecutive T, i = 0..15, as float32 lanes. A
+// bfloat16 pair is one 32-bit lane: the odd element is its high half already.
 template <typename T>
-int64_t quantize_lanes(const T* x, int64_t len, uint8_t* data, float inv, float qmax, int bits) {
+inline void load_pairs(const T* x, __m512* even, __m512* odd) {
+  if constexpr (std::is_same_v<T, BFloat16>) {
+    const __m512i v = _mm512_loadu_si512(x);
+    *even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+  } else {
+    const __m512 a = load16(x), b = load16(x + 16);
+    const __m512i evens = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    *even = _mm512_permutex2var_ps(a, evens, b);
+    *odd = _mm512_permutex2var_ps(a, _mm512_add_epi32(evens, _mm512_set1_epi32(1)), b);
+  }
+}
+
+// 8 bits: one byte of q per element. 4 bits: elements 2i and 2i + 1 in the low
+// and high nibble of byte i, each as q + 8: (q & 15) ^ 8 for q in [-8, 7].
+template <bool kFiniteInv, typename T>
+int64_t quantize_lanes_as(const T* x, int64_t len, uint8_t* data, float inv, float qmax, int bits) {
   const __m512 vinv = _mm512_set1_ps(inv), vqmax = _mm512_set1_ps(qmax);
   int64_t i = 0;
   if (bits == 8) {
     for (; i + 16 <= len; i += 16) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(data + i), _mm512_cvtepi32_epi8(quantize16(load16(x + i), vinv, vqmax)));
+      const __m512i q = quantize16<kFiniteInv>(load16(x + i), vinv, vqmax);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(data + i), _mm512_cvtepi32_epi8(q));
     }
     return i;
   }
-  const __m512i eight = _mm512_set1_epi32(8);
   for (; i + 32 <= len; i += 32) {
-    const __m128i lo = _mm512_cvtepi32_epi8(_mm512_add_epi32(quantize16(load16(x + i), vinv, vqmax), eight));
-    const __m128i hi = _mm512_cvtepi32_epi8(_mm512_add_epi32(quantize16(load16(x + i + 16), vinv, vqmax), eight));
-    const __m256i pairs = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
-    const __m256i folded = _mm256_or_si256(pairs, _mm256_srli_epi16(pairs, 4));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(data + i / 2), _mm256_cvtepi16_epi8(folded));
+    __m512 even, odd;
+    load_pairs(x + i, &even, &odd);
+    const __m512i low = _mm512_and_si512(quantize16<kFiniteInv>(even, vinv, vqmax), _mm512_set1_epi32(15));
+    const __m512i high = _mm512_slli_epi32(quantize16<kFiniteInv>(odd, vinv, vqmax), 4);
+    const __m128i packed = _mm512_cvtepi32_epi8(_mm512_or_si512(low, high));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(data + i / 2), _mm_xor_si128(packed, _mm_set1_epi8(static_cast<char>(0x88))));
   }
   return i;
+}
+
+// The longest prefix of whole vectors of quantize_block's tiles; returns its length.
+template <typename T>
+int64_t quantize_lanes(const T* x, int64_t len, uint8_t* data, float inv, float qmax, int bits) {
+  if (inv <= std::numeric_limits<float>::max()) return quantize_lanes_as<true>(x, len, data, inv, qmax, bits);
+  return quantize_lanes_as<false>(x, len, data, inv, qmax, bits);
 }
 
 // The product as its own float32 value: GCC contracts a multiply feeding an add
@@ -64,21 +93,24 @@ inline __m512 rounded_product(__m512 a, __m512 b) {
   return product;
 }
 
-// q of 16 int8 elements, or of 32 int4 elements (two vectors, in element order), as float32.
+// q of 16 int8 elements as float32.
 inline __m512 int8_lanes(const uint8_t* bytes) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes))));
 }
 
-inline void int4_lanes(const uint8_t* bytes, __m512* first, __m512* second) {
+// q of 32 int4 elements, 2i in even and 2i + 1 in odd, as float32: a nibble n
+// ORed into the mantissa of 2^23 is the float 2^23 + n, and subtracting 2^23 + 8
+// leaves n - 8 exactly.
+inline void int4_pairs(const uint8_t* bytes, __m512* even, __m512* odd) {
   const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
-  const __m512i low = _mm512_and_si512(v, _mm512_set1_epi32(15));
-  const __m512i high = _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0xf0)), 12);
-  const __m512i q16 = _mm512_sub_epi16(_mm512_or_si512(low, high), _mm512_set1_epi16(8));
-  *first = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(q16)));
-  *second = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(q16, 1)));
+  const __m512i two23 = _mm512_set1_epi32(0x4B000000);
+  const __m512 bias = _mm512_set1_ps(8388616.0f);  // 2^23 + 8
+  *even = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi32(15)), two23)), bias);
+  *odd = _mm512_sub_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_srli_epi32(v, 4), two23)), bias);
 }
 
 // out = sum over rows, in order, of float(q) * scale, each product rounded first.
+// 4 bits sum in the pairs' layout and interleave once, at the store.
 template <typename T>
 int64_t dequantize_sum_lanes(BlockRows rows, T* out, int64_t len, int bits) {
   int64_t i = 0;
@@ -94,20 +126,22 @@ int64_t dequantize_sum_lanes(BlockRows rows, T* out, int64_t len, int bits) {
     }
     return i;
   }
+  const __m512i first_half = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i second_half = _mm512_add_epi32(first_half, _mm512_set1_epi32(8));
   for (; i + 32 <= len; i += 32) {
-    __m512 first, second, q_first, q_second;
-    int4_lanes(rows.data + i / 2, &q_first, &q_second);
+    __m512 even, odd, q_even, q_odd;
+    int4_pairs(rows.data + i / 2, &q_even, &q_odd);
     const __m512 scale = _mm512_set1_ps(rows.scales[0]);
-    first = _mm512_mul_ps(q_first, scale);
-    second = _mm512_mul_ps(q_second, scale);
+    even = _mm512_mul_ps(q_even, scale);
+    odd = _mm512_mul_ps(q_odd, scale);
     for (int j = 1; j < rows.num_rows; ++j) {
-      int4_lanes(rows.data + j * rows.row_nbytes + i / 2, &q_first, &q_second);
+      int4_pairs(rows.data + j * rows.row_nbytes + i / 2, &q_even, &q_odd);
       const __m512 row_scale = _mm512_set1_ps(rows.scales[j * rows.row_scales]);
-      first = _mm512_add_ps(first, rounded_product(q_first, row_scale));
-      second = _mm512_add_ps(second, rounded_product(q_second, row_scale));
+      even = _mm512_add_ps(even, rounded_product(q_even, row_scale));
+      odd = _mm512_add_ps(odd, rounded_product(q_odd, row_scale));
     }
-    store16(out + i, first);
-    store16(out + i + 16, second);
+    store16(out + i, _mm512_permutex2var_ps(even, first_half, odd));
+    store16(out + i + 16, _mm512_permutex2var_ps(even, second_half, odd));
   }
   return i;
 }
