@@ -200,7 +200,7 @@ def test_cpp_checks_its_arguments():
         _C.dequantize_sum(0, 0, 0, 0, 0, 4, 8, 4)
 
 
-# ---- the kernels' worker threads (csrc/cpu/pool.cpp) ----
+# ---- the kernels' threads (csrc/cpu/parallel.cpp) ----
 def _many_threads_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """data, scales and dequantized values, each kernel on 4 threads (4 parts for 2^18 elements)."""
     previous = torch.get_num_threads()
@@ -219,9 +219,9 @@ def _child_quantize(x, queue) -> None:
 
 
 def test_worker_threads_under_concurrent_calls_and_after_fork():
-    """Kernels called from several threads at once share the workers (a call that finds them busy
-    runs on its own thread) and still match the reference; a child forked after the parent
-    started its workers starts its own instead of waiting for workers it does not have."""
+    """Kernels called from several threads at once, each splitting its work over 4 threads, match
+    the reference; a child forked after the parent ran them on several threads runs them on its
+    own (GNU OpenMP's threads do not survive a fork: a parallel region there waits forever)."""
     import multiprocessing
     import threading
 

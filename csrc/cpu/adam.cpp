@@ -10,7 +10,7 @@
 #include <string>
 #include <type_traits>
 
-#include "pool.h"
+#include "parallel.h"
 
 namespace ringcomm {
 namespace {
@@ -48,10 +48,11 @@ void update(float* __restrict__ param, const float* __restrict__ grad, float* __
 template <typename Out>
 void run(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, Out* out, int64_t numel, const Coefs c,
          int num_threads) {
-  constexpr int64_t kAlign = 64;  // elements: whole cache lines per thread
-  const int64_t per = ((numel + num_threads - 1) / num_threads + kAlign - 1) / kAlign * kAlign;
+  constexpr int64_t kAlign = 64;  // elements: whole cache lines per part
+  const int64_t parts = num_threads == 1 ? 1 : 4 * int64_t{num_threads};  // 4 per thread, as quant.cpp
+  const int64_t per = ((numel + parts - 1) / parts + kAlign - 1) / kAlign * kAlign;
   if (numel == 0) return;
-  parallel_run(static_cast<int>((numel + per - 1) / per), [&](int part) {
+  parallel_run(num_threads, static_cast<int>((numel + per - 1) / per), [&](int part) {
     update<Out>(param, grad, exp_avg, exp_avg_sq, out, part * per, std::min(numel, (part + 1) * per), c);
   });
 }
