@@ -201,24 +201,20 @@ def test_cpp_checks_its_arguments():
 
 
 # ---- the kernels' threads (csrc/cpu/parallel.cpp) ----
-def _many_threads_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """data, scales and dequantized values, each kernel on 4 threads (4 parts for 2^18 elements)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(4)
-    try:
-        data, scales = quant.quantize(x, bits=4, block=1024)
-        return data, scales, quant.dequantize(data, scales, torch.empty_like(x), bits=4, block=1024)
-    finally:
-        torch.set_num_threads(previous)
+def _quantize_round_trip(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """data, scales and dequantized values of x (int4, blocks of 1024)."""
+    data, scales = quant.quantize(x, bits=4, block=1024)
+    return data, scales, quant.dequantize(data, scales, torch.empty_like(x), bits=4, block=1024)
 
 
 def _child_quantize(x, queue) -> None:
     # Only ringcomm's kernels here: torch's own parallel ops hang in a child forked after the
     # parent ran them (GNU OpenMP is not fork-safe).
-    queue.put([t.view(torch.uint8).numpy().tobytes() for t in _many_threads_quantize(x)])
+    torch.set_num_threads(4)
+    queue.put([t.view(torch.uint8).numpy().tobytes() for t in _quantize_round_trip(x)])
 
 
-def test_worker_threads_under_concurrent_calls_and_after_fork():
+def test_kernel_threads_under_concurrent_calls_and_after_fork():
     """Kernels called from several threads at once, each splitting its work over 4 threads, match
     the reference; a child forked after the parent ran them on several threads runs them on its
     own (GNU OpenMP's threads do not survive a fork: a parallel region there waits forever)."""
@@ -235,15 +231,20 @@ def test_worker_threads_under_concurrent_calls_and_after_fork():
 
     def run(i: int) -> None:
         try:
-            results[i] = [_many_threads_quantize(inputs[i]) for _ in range(20)]
+            results[i] = [_quantize_round_trip(inputs[i]) for _ in range(20)]
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(4)  # process-wide: set once here, not from the threads
+    try:
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        torch.set_num_threads(previous)
     assert not errors and all(not t.is_alive() for t in threads), errors
     for i, runs in results.items():
         for out in runs:

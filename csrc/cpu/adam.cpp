@@ -49,7 +49,7 @@ template <typename Out>
 void run(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, Out* out, int64_t numel, const Coefs c,
          int num_threads) {
   constexpr int64_t kAlign = 64;  // elements: whole cache lines per part
-  const int64_t parts = num_threads == 1 ? 1 : 4 * int64_t{num_threads};  // 4 per thread, as quant.cpp
+  const int64_t parts = num_threads == 1 ? 1 : int64_t{kPartsPerThread} * num_threads;
   const int64_t per = ((numel + parts - 1) / parts + kAlign - 1) / kAlign * kAlign;
   if (numel == 0) return;
   parallel_run(num_threads, static_cast<int>((numel + per - 1) / per), [&](int part) {

@@ -8,6 +8,10 @@
 
 namespace ringcomm {
 
+// Parts per thread that the kernels cut their work into: a thread that starts
+// late leaves its unclaimed parts to the others.
+constexpr int kPartsPerThread = 4;
+
 // Runs fn(0), ..., fn(num_parts - 1) on up to num_threads threads, the caller
 // among them, and returns when all have returned. Parts are claimed in order by
 // whichever thread is free, so more parts than threads even out a thread that

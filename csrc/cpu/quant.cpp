@@ -26,10 +26,6 @@ constexpr int64_t kTile = 1024;  // elements per tile; even, so a tile starts on
 // OpenMP threads costs a few us, and 2^16 elements take ~5-15 us on one core.
 constexpr int64_t kMinThreadWork = 1 << 16;
 
-// Parts per thread: a thread that starts late leaves its unclaimed parts to
-// the others (parallel.h).
-constexpr int64_t kPartsPerThread = 4;
-
 // Runs fn(first_block, end_block) over [0, num_blocks) split in contiguous
 // ranges, kPartsPerThread per thread; the work is numel elements of each of
 // num_rows rows.
@@ -38,7 +34,7 @@ void parallel_blocks(int64_t numel, int num_rows, QuantFormat f, int num_threads
   const int64_t blocks = num_blocks(numel, f.block);
   if (blocks == 0) return;
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>({num_threads, blocks, numel * num_rows / kMinThreadWork}));
-  const int64_t parts = threads == 1 ? 1 : std::min(blocks, threads * kPartsPerThread);
+  const int64_t parts = threads == 1 ? 1 : std::min<int64_t>(blocks, threads * kPartsPerThread);
   const int64_t per = (blocks + parts - 1) / parts;
   parallel_run(static_cast<int>(threads), static_cast<int>((blocks + per - 1) / per), [&](int part) {
     fn(part * per, std::min(blocks, (part + 1) * per));
