@@ -4,7 +4,7 @@ host tensors as they are there); benchmarks/gpu_check.py exercises it.
 
     compute: ..backward..|grads reduced (event)| ........ |
     copy:                 wait(event)|D2H bucket 0|D2H bucket 1|...|done
-    host:                                                      wait(done)|step|H2D params
+    host:                                                    finish(done)|step|H2D params
 """
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ def host_copy(source: torch.Tensor, dtype: torch.dtype, *, pin: bool) -> torch.T
     return out
 
 
-class GradCopies:
-    """Device gradients to host fp32 buffers on a side stream, after the
-    compute stream's work so far (the reductions); buffers are kept per slot."""
+class StreamGradCopies:
+    """zero.offload.host.GradCopies on CUDA: device gradients to host fp32
+    buffers on a side stream, after the compute stream's work so far (the
+    reductions); buffers are kept per slot."""
 
     def __init__(self, *, pin: bool) -> None:
         self.pin = pin
@@ -30,7 +31,7 @@ class GradCopies:
         self.done: torch.cuda.Event | None = None
 
     def start(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        """Enqueues the copies; returns the host buffers (valid after wait())."""
+        """Enqueues the copies; returns the host buffers (valid after finish())."""
         devices = {g.device for g in grads if g is not None}
         if not devices:
             return [None] * len(grads)
@@ -57,7 +58,8 @@ class GradCopies:
             self.done.record(self.stream)
         return out
 
-    def wait(self) -> None:
+    def finish(self) -> None:
+        """Blocks until every copy started so far has landed."""
         if self.done is not None:
             self.done.synchronize()
             self.done = None

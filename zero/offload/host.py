@@ -14,11 +14,24 @@ folded into torch's fused kernel (optim.unscaled).
 """
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from ..runtime.config import OffloadOptions
 from ..sharding.param_group import ParamGroup, ZeroBucket
 from . import cuda
+
+
+class GradCopies(Protocol):
+    """Copies of device gradients into host fp32 buffers (cuda.StreamGradCopies
+    on a CUDA model). A buffer's contents are defined only after finish()."""
+
+    def start(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Starts copying every gradient given (None: none for that slot); returns the host buffers."""
+
+    def finish(self) -> None:
+        """Waits until every copy started has landed."""
 
 
 class HostParamGroup(ParamGroup):
@@ -35,7 +48,9 @@ class HostParamGroup(ParamGroup):
         offloaded = options.device != "none"
         self.on_host = host_buckets([b.span.local_chunk(b.rank).numel for b in self.buckets],
                                     options.ratio) if offloaded else set()
-        self.grad_copies: cuda.GradCopies | None = None
+        # the offloaded buckets' gradients to host: none to copy where the model is on the host
+        self.grad_copies: GradCopies | None = cuda.StreamGradCopies(pin=options.pin_memory) \
+            if self.on_host and self.device.type != "cpu" else None
         self.param_options = param_options or OffloadOptions()
         self.host_shards: dict[int, torch.Tensor] = {}  # bucket index -> its shard in host memory (CUDA models)
 
@@ -86,16 +101,14 @@ class HostParamGroup(ParamGroup):
 
     def owned_grads_fp32(self) -> list[torch.Tensor]:
         grads = [b.owned_grad() for b in self.buckets]
-        if all(g.device.type == "cpu" for g in grads):
-            return [g if g.dtype == torch.float32 else g.float() for g in grads]
         if self.grad_copies is None:
-            self.grad_copies = cuda.GradCopies(pin=self.options.pin_memory)
+            return [g if g.dtype == torch.float32 else g.float() for g in grads]
         moved = self.grad_copies.start([g if self.offloaded(b) else None for b, g in zip(self.buckets, grads)])
         return [m if m is not None else g.float() for m, g in zip(moved, grads)]
 
     def step(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor], coef: float) -> None:
         if self.grad_copies is not None:
-            self.grad_copies.wait()
+            self.grad_copies.finish()
         super().step(optimizer, grads, coef)
 
 
