@@ -11,9 +11,25 @@ stream (cuda.py), the step runs on host and the updated values are
 copied back into the device parameters.
 The host step is ParamGroup.step, with the unscale and clip coefficient
 folded into torch's fused kernel (optim.unscaled).
+
+[Note: gradient copies to host]
+owned_grads_fp32 starts the offloaded buckets' copies (grad_copies), and a host
+buffer holds anything until finish_grad_copies() has waited for them:
+
+    compute: ..backward..|reduced|norm on the device grads|(overflow? clip)|        |
+    copy:                 |D2H bucket 0|D2H bucket 1|...|done
+    host:                                                  finish: wait(done)|step|
+
+- the norm, and from it the clip coefficient and fp16's overflow check, reads
+  the reduced gradients on the device (ParamGroup.grad_norm), beside the copies;
+- the host buffers are handed out in a HostGrads: any read of one (the step)
+  finishes the copies first;
+- zero_grads finishes them before it zeroes the gradients they read (a
+  skipped step).
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -99,17 +115,40 @@ class HostParamGroup(ParamGroup):
             return super().make_master(bucket, source)
         return cuda.host_copy(source, torch.float32, pin=self.options.pin_memory)
 
-    def owned_grads_fp32(self) -> list[torch.Tensor]:
+    def owned_grads_fp32(self) -> Sequence[torch.Tensor]:
+        """As ParamGroup's; an offloaded bucket's in a host buffer whose copy
+        starts here ([Note: gradient copies to host])."""
         grads = [b.owned_grad() for b in self.buckets]
         if self.grad_copies is None:
             return [g if g.dtype == torch.float32 else g.float() for g in grads]
         moved = self.grad_copies.start([g if self.offloaded(b) else None for b, g in zip(self.buckets, grads)])
-        return [m if m is not None else g.float() for m, g in zip(moved, grads)]
+        return HostGrads([m if m is not None else g.float() for m, g in zip(moved, grads)], self.finish_grad_copies)
 
-    def step(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor], coef: float) -> None:
+    def finish_grad_copies(self) -> None:
+        """Waits for the gradient copies to host: the one wait, before any host
+        buffer is read and before the gradients they read are zeroed."""
         if self.grad_copies is not None:
             self.grad_copies.finish()
-        super().step(optimizer, grads, coef)
+
+    def zero_grads(self) -> None:
+        self.finish_grad_copies()
+        super().zero_grads()
+
+
+class HostGrads(Sequence):
+    """A step's owned fp32 gradients, some in host buffers still being copied
+    into: reading any of them waits for every copy first."""
+
+    def __init__(self, grads: list[torch.Tensor], finish: Callable[[], None]) -> None:
+        self.grads = grads
+        self.finish = finish
+
+    def __len__(self) -> int:
+        return len(self.grads)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        self.finish()
+        return self.grads[index]
 
 
 def host_buckets(owned_numels: list[int], ratio: float) -> set[int]:

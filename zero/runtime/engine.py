@@ -159,9 +159,9 @@ class ZeroEngine:
     def _take_step(self) -> bool:
         """Returns False when fp16 overflowed and the step was skipped."""
         group, scaler = self.parts.group, self.parts.scaler
-        grads = group.owned_grads_fp32()
+        grads = group.owned_grads_fp32()  # offload: copies to host start ([Note: gradient copies to host])
         used_scale = scaler.scale  # the scale these gradients carry; update() may change it
-        norm = group.grad_norm(grads) / used_scale
+        norm = group.grad_norm() / used_scale
         overflow = scaler.checks_overflow and not math.isfinite(norm)  # the norm is global: all ranks agree
         if scaler.update(overflow):
             self.skipped_steps += 1

@@ -296,11 +296,14 @@ class ParamGroup:
         grads = [b.owned_grad() for b in self.buckets]
         return [g if g.dtype == torch.float32 else g.float() for g in grads]
 
-    def grad_norm(self, grads: list[torch.Tensor]) -> float:
-        """Global L2 norm of the (still scaled) reduced gradients. The squares are
+    def grad_norm(self) -> float:
+        """Global L2 norm of the (still scaled) reduced gradients, read where they
+        were reduced: on the model's device, not in an offload's host copies
+        ([Note: gradient copies to host] in zero/offload/host.py). The squares are
         summed in float64: an fp32 sum over a multi-million-element shard drifts
         by ~1e-5 relative, and the norm drives clipping. In slices, so the float64
         copy stays small."""
+        grads = [b.owned_grad() for b in self.buckets]
         total = torch.zeros(1, dtype=torch.float64, device=grads[0].device if grads else None)
         for g in grads:
             for piece in g.reshape(-1).split(NORM_SLICE_NUMEL):
