@@ -154,7 +154,8 @@ def build_engine(model: nn.Module, optimizer=None, model_parameters=None, lr_sch
     params = trainable_params(model)
     optimizer = make_optimizer(optimizer, model_parameters, params, cfg)
     device = params[0].device if params else torch.device("cpu")
-    comm = make_comm(comm_backend or cfg.comm_backend or "ringcomm", device)
+    offloaded = (cfg.zero.offload_optimizer, cfg.zero.offload_param) != ("none", "none")
+    comm = make_comm(comm_backend or cfg.comm_backend or "ringcomm", device, host_tensors=offloaded)
     comm.overlap = cfg.zero.overlap_comm
     layout, module_uses = plan_layout(model, params, cfg, world_size)
     buckets = build_buckets(params, layout, rank, comm)

@@ -1,8 +1,19 @@
 """The comm backend seam: the four collectives the engine uses, on ringcomm or
-on plain torch.distributed, and the count of bytes each rank sends (ring volume)."""
+on plain torch.distributed, and the count of bytes each rank sends (ring volume).
+
+[Note: host tensors]
+NCCL carries no host tensors. An engine with offload on a device model has
+collectives on some (full_masters all-gathers host masters for a save), so
+make_comm gives its comm a gloo group over the same ranks beside the default
+one (`host`, as FSDP2's CPU offload and DeepSpeed's do) and every collective on
+a host tensor goes through it; device tensors stay on the default group. Where
+the default group carries host tensors (gloo, ringcomm, "cpu:gloo,cuda:nccl")
+or the model is on the host, there is none.
+"""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Collection
 from typing import Protocol
 
 import torch
@@ -53,6 +64,7 @@ class Comm:
         self.counter: Comm | None = None  # the comm whose counts this one adds to (hpZ's partition comm)
         self.zeropp = ZeroPPOptions()  # which collectives move quantized ([Note: ZeRO++ in zero])
         self.overlap = True  # zero_optimization.overlap_comm: False runs every collective inline
+        self.host: Comm | None = None  # the collectives on host tensors, where not this one's ([Note: host tensors])
 
     def count(self, kind: str, tensor: torch.Tensor) -> None:
         """Adds the ring volume this rank sends for `kind` over `tensor` (full size)."""
@@ -83,11 +95,17 @@ class Comm:
 
     _quantized_reduce_scatter = _quantized_all_gather
 
+    def _host_for(self, tensor: torch.Tensor) -> Comm | None:
+        """The comm a collective on `tensor` goes through instead of this one ([Note: host tensors])."""
+        return self.host if self.host is not None and tensor.device.type == "cpu" else None
+
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = False) -> Handle:
         """Sum in place."""
         if self.world_size == 1:
             return _Done()
         async_op = async_op and self.overlap
+        if (host := self._host_for(tensor)) is not None:
+            return host.all_reduce(tensor, async_op)
         self.count("all_reduce", tensor)
         return comms.timed("all_reduce", tensor, self._all_reduce, tensor, async_op)
 
@@ -98,6 +116,8 @@ class Comm:
                 output.copy_(input)
             return _Done()
         async_op = async_op and self.overlap
+        if (host := self._host_for(input)) is not None:
+            return host.reduce_scatter(output, input, async_op)
         if self.zeropp.quantized_gradients:  # zero_quantized_gradients: every gradient reduce-scatter
             rows = Rows(output.numel(), self.zeropp.grad_bits, self.zeropp.grad_block)
             self.count_nbytes("reduce_scatter", self.world_size * rows.nbytes, all_to_all=True)
@@ -114,6 +134,8 @@ class Comm:
                 output.copy_(input)
             return _Done()
         async_op = async_op and self.overlap
+        if (host := self._host_for(input)) is not None:
+            return host.all_gather(output, input, async_op, quantized=quantized)
         if quantized:
             rows = Rows(input.numel(), self.zeropp.weight_bits, self.zeropp.weight_block)
             self.count_nbytes("all_gather", self.world_size * rows.nbytes)
@@ -122,11 +144,16 @@ class Comm:
         return comms.timed("all_gather_into_tensor", input, self._all_gather, output, input, async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        if self.world_size > 1:
+        if self.world_size > 1 and (host := self._host_for(tensor)) is not None:
+            host.broadcast(tensor, src)
+        elif self.world_size > 1:
             comms.timed("broadcast", tensor, self._broadcast, tensor, src)  # set-up: not step traffic
 
     def close(self) -> None:
-        """Nothing to release: the groups belong to torch.distributed / ringcomm."""
+        """Releases the host comm's group, if any; the default group belongs to torch.distributed / ringcomm."""
+        if self.host is not None:
+            self.host.close()
+            self.host = None
 
 
 class RingComm(Comm):
@@ -163,9 +190,17 @@ class RingComm(Comm):
 class TorchComm(Comm):
     kind = "torch"
 
-    def __init__(self, rank: int, world_size: int, pg: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, rank: int, world_size: int, pg: dist.ProcessGroup | None = None, *,
+                 owned: bool = False) -> None:
         super().__init__(rank, world_size)
         self.pg = pg  # None: the default group
+        self.owned = owned  # close() destroys pg
+
+    def close(self) -> None:
+        super().close()
+        if self.owned and self.pg is not None:
+            dist.destroy_process_group(self.pg)
+            self.pg = None
 
     def _all_reduce(self, tensor, async_op):
         return dist.all_reduce(tensor, group=self.pg, async_op=async_op) or _Done()
@@ -199,19 +234,30 @@ def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-def make_comm(backend: str, device: torch.device) -> Comm:
+def make_comm(backend: str, device: torch.device, *, host_tensors: bool = False) -> Comm:
     """The engine's collectives over the initialized default process group. On
     a CUDA model, "ringcomm" means the default group's own collectives: run the
     job on torch.distributed backend "ringcomm" and its CUDA tensors go to NCCL
-    (ringcomm's transports move host memory)."""
+    (ringcomm's transports move host memory). host_tensors: the engine has
+    collectives on host tensors (offload), [Note: host tensors]. Collective."""
     if backend not in BACKENDS:
         raise ValueError(f"comm_backend: {backend!r} is not one of {BACKENDS}")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if world_size == 1:
         return Comm(rank, world_size)
     if backend == "torch" or device.type != "cpu":
-        return TorchComm(rank, world_size)
+        comm = TorchComm(rank, world_size)
+        if needs_host_comm(device, dist.group.WORLD._device_types, host_tensors=host_tensors):
+            comm.host = TorchComm(rank, world_size, dist.new_group(backend="gloo"), owned=True)
+            comm.host.counter = comm
+        return comm
     return RingComm(rank, world_size, ringcomm.default_group())  # ringcomm keeps (and closes) it
+
+
+def needs_host_comm(device: torch.device, carried: Collection[torch.device], *, host_tensors: bool) -> bool:
+    """Whether an engine on `device` whose default group carries tensors of the
+    `carried` devices needs a gloo group beside it ([Note: host tensors])."""
+    return host_tensors and device.type != "cpu" and all(d.type != "cpu" for d in carried)
 
 
 def make_partition_comm(comm: Comm, size: int) -> Comm:
