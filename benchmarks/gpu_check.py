@@ -9,7 +9,9 @@ Parts, each a subprocess with its own timeout (9.5 minutes in all at most):
   pytest       tests/*cuda*.py but the offload one: the CUDA kernels, the ZeRO engine's stages 0-3 on CUDA
   offload      tests/test_zero_offload_cuda.py: ZeRO-Offload with the model on the GPU (pinned
                host masters and states, gradients to host on a side stream, host step, stage-3
-               shards pinned on the host, NVMe) against the same runs without offload
+               shards pinned on the host, NVMe) against the same runs without offload; with 2
+               devices also 2 ranks under NCCL (norms, steps, a save and a load through the gloo
+               group beside it); one device skips that case (NCCL refuses 2 ranks on one device)
   collectives  benchmarks/gpu_collectives.py: NCCL vs the "ringcomm" backend on CUDA
                tensors, one rank per GPU, results checked, times compared
   zero_step    benchmarks/zero_step.py --device cuda: the ZeRO engine's step time at
