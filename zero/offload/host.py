@@ -16,9 +16,9 @@ folded into torch's fused kernel (optim.unscaled).
 owned_grads_fp32 starts the offloaded buckets' copies (grad_copies), and a host
 buffer holds anything until finish_grad_copies() has waited for them:
 
-    compute: ..backward..|reduced|norm on the device grads|(overflow? clip)|        |
-    copy:                 |D2H bucket 0|D2H bucket 1|...|done
-    host:                                                  finish: wait(done)|step|
+    compute: ..backward..|reduced|norm (device grads)|overflow? clip coef|
+    copy:                        |D2H bucket 0|D2H bucket 1|...|done
+    host:                                          finish: wait(done)|step|H2D params
 
 - the norm, and from it the clip coefficient and fp16's overflow check, reads
   the reduced gradients on the device (ParamGroup.grad_norm), beside the copies;

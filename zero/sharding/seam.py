@@ -247,7 +247,8 @@ def make_comm(backend: str, device: torch.device, *, host_tensors: bool = False)
         return Comm(rank, world_size)
     if backend == "torch" or device.type != "cpu":
         comm = TorchComm(rank, world_size)
-        if needs_host_comm(device, dist.group.WORLD._device_types, host_tensors=host_tensors):
+        carried = dist.group.WORLD._device_types  # the device types the default group has a backend for
+        if needs_host_comm(device, carried, host_tensors=host_tensors):
             comm.host = TorchComm(rank, world_size, dist.new_group(backend="gloo"), owned=True)
             comm.host.counter = comm
         return comm
