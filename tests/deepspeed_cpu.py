@@ -1,12 +1,18 @@
 """DeepSpeed as the tests run it: the CPU accelerator, without the JIT build of
-its shared-memory comm op. That op serves only DeepSpeed's inference all-reduce
+its shared-memory comm op, and the one answer to which dtypes its engine accepts
+on this CPU. The comm op serves only DeepSpeed's inference all-reduce
 (training never calls it) and costs ~45 s of compiling on 2 cores; a build
 killed by a test's timeout leaves torch's build lock behind, and every later
 DeepSpeed start waits on it forever."""
 from __future__ import annotations
 
+import functools
 import os
 import sys
+
+DTYPES = ("fp32", "bf16", "fp16")
+# what torch's oneDNN needs of the CPU for each half type (its mkldnn_check_low_precision messages)
+ONEDNN_NEEDS = {"fp16": "AVX512-FP16 or AVX-NE-CONVERT", "bf16": "AVX512BW/VL/DQ or AVX-NE-CONVERT"}
 
 
 def import_deepspeed():
@@ -16,3 +22,42 @@ def import_deepspeed():
 
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     return deepspeed
+
+
+@functools.cache
+def refusal(dtype: str) -> str | None:
+    """Why DeepSpeed's engine refuses `dtype` on this CPU, or None where it accepts it.
+
+    DeepSpeed decides: its engine's sanity check raises "Type fp16 is not supported
+    on your device." where the accelerator's is_fp16_supported() (is_bf16_supported()
+    for bf16) is false. The tests' ranks run DeepSpeed with DS_ACCELERATOR=cpu, so
+    this asks the CPU accelerator itself, whatever this process's accelerator is.
+    The reason adds torch's own answer for this CPU, the one DeepSpeed's CPU
+    accelerator reads for fp16."""
+    if dtype not in DTYPES:
+        raise ValueError(f"refusal: dtype {dtype!r} is not one of {DTYPES}")
+    if dtype == "fp32":  # the engine checks only the half types
+        return None
+    deepspeed = import_deepspeed()
+    import torch
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    accelerator = CPU_Accelerator()
+    question = {"fp16": accelerator.is_fp16_supported, "bf16": accelerator.is_bf16_supported}[dtype]
+    if question():
+        return None
+    reason = f"DeepSpeed {deepspeed.__version__}'s CPU accelerator refuses {dtype} (is_{dtype}_supported() is false)"
+    onednn = {"fp16": torch.ops.mkldnn._is_mkldnn_fp16_supported, "bf16": torch.ops.mkldnn._is_mkldnn_bf16_supported}
+    if not onednn[dtype]():
+        reason += (f": torch.ops.mkldnn._is_mkldnn_{dtype}_supported() is False on this CPU "
+                   f"(needs {ONEDNN_NEEDS[dtype]})")
+    return reason
+
+
+def skip_unless_accepted(dtype: str) -> None:
+    """Skips the calling test or fixture where DeepSpeed refuses `dtype` on this CPU."""
+    import pytest
+
+    reason = refusal(dtype)
+    if reason is not None:
+        pytest.skip(reason)

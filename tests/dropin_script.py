@@ -2,7 +2,8 @@
 embedding, AdamW and WarmupLR from the config, accumulation 2, clipping 1.0.
 tests/test_zero_dropin.py runs this text twice: as is, and with its first
 import line changed to `import zero as deepspeed` (the only change).
-`train` and `surface` return plain values to compare between the two runs."""
+`train`, `surface` and `engine_surfaces` return plain values to compare between
+the two runs."""
 import deepspeed
 
 import argparse
@@ -232,8 +233,15 @@ def engine_surface(stage, dtype):
     return out
 
 
+ENGINE_DTYPES = {0: "fp32", 1: "fp32", 2: "bf16", 3: "fp32"}  # the engine's surface per stage, in this dtype
+
+
 def surface():
-    out = {"comm": comm_calls(), "arguments": arguments(), "init": init_and_gather()}
-    for stage in (0, 1, 2, 3):
-        out[f"engine stage {stage}"] = engine_surface(stage, "bf16" if stage == 2 else "fp32")
-    return out
+    """The calls outside an engine."""
+    return {"comm": comm_calls(), "arguments": arguments(), "init": init_and_gather()}
+
+
+def engine_surfaces(dtype):
+    """The engine's surface at each stage whose ENGINE_DTYPES is `dtype`."""
+    return {stage: engine_surface(stage, dtype) for stage, engine_dtype in ENGINE_DTYPES.items()
+            if engine_dtype == dtype}

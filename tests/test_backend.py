@@ -305,6 +305,28 @@ def async_order_worker(rank: int, world_size: int, init_method: str) -> None:
     assert torch.equal(future.wait()[0], torch.full((3,), float(world_size))), f"rank {rank}: future {future.value()}"
 
 
+@pytest.mark.parametrize("mode, transport, local_ranks, cores, thread", [
+    ("auto", "shm", 2, 2, False), ("auto", "shm", 2, 3, False), ("auto", "shm", 2, 4, True),
+    ("auto", "shm", 3, 6, True), ("auto", "torch_dist", 1, 1, False), ("auto", "torch_dist", 1, 2, True),
+    ("auto", "torch_dist", 4, 7, False), ("thread", "shm", 2, 1, True), ("inline", "torch_dist", 1, 64, False)])
+def test_auto_async_mode_follows_the_usable_cores(mode: str, transport: str, local_ranks: int, cores: int,
+                                                  thread: bool, monkeypatch) -> None:
+    """RINGCOMM_ASYNC=auto runs async calls on the comm thread when every rank on this machine
+    has a spare core for it (shm: the group's ranks; torch_dist: LOCAL_WORLD_SIZE);
+    a forced mode ignores the cores. The core count is injected, not this machine's."""
+    from ringcomm import backend_work
+
+    monkeypatch.setenv("RINGCOMM_ASYNC", mode)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_ranks))
+    monkeypatch.setattr(backend_work, "usable_cores", lambda: cores)
+    world_size = local_ranks if transport == "shm" else 2 * local_ranks
+    got = backend_work.use_comm_thread(transport, world_size)
+    assert got is thread, f"RINGCOMM_ASYNC={mode} {transport} {local_ranks} local ranks on {cores} cores: {got}"
+    monkeypatch.setenv("RINGCOMM_ASYNC", "threads")
+    with pytest.raises(ValueError, match="RINGCOMM_ASYNC='threads'"):
+        backend_work.use_comm_thread(transport, world_size)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", ["thread", "inline"])
 def test_async_works_complete_in_order(mode: str, tmp_path) -> None:

@@ -10,10 +10,15 @@ ways, at stages 1-3, with the DeepSpeed user's script of tests/dropin_script.py
 - DeepSpeed -> zero: DeepSpeed saves and continues; zero resumes its
   checkpoint on the same 2 ranks with DeepSpeed's losses, and on 1 and 3
   ranks (resharded) with the losses of plain PyTorch continuing from the same
-  state (its own SAVED steps, DeepSpeed's WarmupLR on torch's AdamW).
+  state (its own SAVED steps, DeepSpeed's WarmupLR on torch's AdamW);
+- zero -> zero: zero's checkpoint in DeepSpeed's layout resumes on zero as if
+  never saved. No DeepSpeed engine takes part, so this runs in every dtype on
+  any CPU: where DeepSpeed refuses fp16, it is what tests zero's fp16 side of
+  the layout (the loss scale included).
 Each step reports the mean loss over every micro-batch of every rank and the
-global grad norm. fp32: both engines sum the same gradients in other orders:
-1e-5 relative."""
+global grad norm. Each (world size, dtype) saved has its own module fixtures:
+DeepSpeed's (`runs`) is skipped where its CPU accelerator refuses the dtype
+(deepspeed_cpu.refusal), and skips only that dtype's cases."""
 from __future__ import annotations
 
 import importlib.util
@@ -28,6 +33,7 @@ import zipfile
 import pytest
 import torch
 import torch.distributed as dist
+from deepspeed_cpu import DTYPES, skip_unless_accepted
 from harness import run_ranks
 from test_zero_checkpoint_safety import TIMEOUT_S, Payload, expect_refusal, flip
 from test_zero_dropin import load_script
@@ -41,8 +47,23 @@ STAGES, SAVED, MORE = (1, 2, 3), 3, 3
 # fp16 (more mantissa than bf16) gets bf16's bounds; its dynamic loss scale must move with the checkpoint.
 RTOL = {"fp32": {"loss": 1e-5, "grad_norm": 1e-5}, "bf16": {"loss": 2e-3, "grad_norm": 1e-3},
         "fp16": {"loss": 2e-3, "grad_norm": 1e-3, "loss_scale": 0}}
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                reason="deepspeed not installed (test extra)")
+# (world size, dtype) of each pair of runs saved; the half types on 2 ranks only
+SAVED_ON = [(2, "fp32"), (3, "fp32"), (2, "bf16"), (2, "fp16")]
+FP32_SAVED_ON = [(size, dtype) for size, dtype in SAVED_ON if dtype == "fp32"]
+SIZES = {2: (1, 3), 3: (2,)}  # the world sizes saved on, and those each is resharded to
+ENV = {"DS_ACCELERATOR": "cpu"}
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                 reason="deepspeed not installed (test extra)"),
+              pytest.mark.timeout(900)]  # the first test of each (world size, dtype) runs its fixtures
+
+
+def saved_on(kinds: list[tuple[int, str]]):
+    """Parametrizes a test by the (world size, dtype) saved: module-scoped, so
+    each kind's fixtures run once, and pytest groups the tests by kind."""
+    return pytest.mark.parametrize("saved", kinds, ids=[f"w{size}-{dtype}" for size, dtype in kinds], scope="module")
+
+
+by_stage = pytest.mark.parametrize("stage", STAGES, ids=[f"stage{stage}" for stage in STAGES])
 
 
 def train(script, engine, rank: int, world_size: int, steps: range) -> dict[str, list[float]]:
@@ -79,14 +100,8 @@ def new_engine(script, stage: int, dtype: str = "fp32", offload: bool = False, s
     return engine
 
 
-def kinds(world_size: int) -> list[tuple[int, str]]:
-    """(stage, dtype) of each checkpoint saved on `world_size` ranks."""
-    dtypes = ("fp32", "bf16", "fp16") if world_size == 2 else ("fp32",)
-    return [(stage, dtype) for dtype in dtypes for stage in STAGES]
-
-
-def path(root: str, stage: int, dtype: str) -> str:
-    return os.path.join(root, f"s{stage}_{dtype}")
+def path(root: str, stage: int) -> str:
+    return os.path.join(root, f"s{stage}")
 
 
 def start(rank: int, world_size: int, engine: str):
@@ -97,32 +112,30 @@ def start(rank: int, world_size: int, engine: str):
     return script
 
 
-def save_worker(rank: int, world_size: int, engine_name: str, root: str) -> dict:
-    """SAVED steps, save (root/NAME/sS), MORE steps: the continued run's losses."""
+def save_worker(rank: int, world_size: int, engine_name: str, root: str, dtype: str) -> dict:
+    """Per stage: SAVED steps, save (root/NAME/sS), MORE steps: the continued run's losses."""
     script, out = start(rank, world_size, engine_name), {}
-    for stage, dtype in kinds(world_size):
+    for stage in STAGES:
         engine = new_engine(script, stage, dtype)
         train(script, engine, rank, world_size, range(SAVED))
-        engine.save_checkpoint(path(os.path.join(root, engine_name), stage, dtype))
-        out[stage, dtype] = train(script, engine, rank, world_size, range(SAVED, SAVED + MORE))
+        engine.save_checkpoint(path(os.path.join(root, engine_name), stage))
+        out[stage] = train(script, engine, rank, world_size, range(SAVED, SAVED + MORE))
         if hasattr(engine, "destroy"):
             engine.destroy()
     return out
 
 
-def resume_worker(rank: int, world_size: int, engine_name: str, directory: str, saved_on: int) -> dict:
-    """Resumes each checkpoint saved on `saved_on` ranks on `engine_name` and
-    trains MORE steps; on zero also stage 3 with the optimizer offloaded."""
+def resume_worker(rank: int, world_size: int, engine_name: str, directory: str, dtype: str,
+                  offload: bool = False) -> dict:
+    """Resumes each stage's checkpoint in `directory` on `engine_name` and trains
+    MORE steps; with `offload` also stage 3 with the optimizer offloaded."""
     script, out = start(rank, world_size, engine_name), {}
-    cases = [(stage, dtype, False) for stage, dtype in kinds(saved_on)]
-    if engine_name == "zero" and world_size == saved_on:
-        cases.append((3, "fp32", True))
-    for stage, dtype, offload in cases:
-        engine = new_engine(script, stage, dtype, offload, scale_power=12)  # the saved scale (2**8) must win
-        engine.load_checkpoint(path(directory, stage, dtype))
+    for stage, offloaded in [(stage, False) for stage in STAGES] + ([(3, True)] if offload else []):
+        engine = new_engine(script, stage, dtype, offloaded, scale_power=12)  # the saved scale (2**8) must win
+        engine.load_checkpoint(path(directory, stage))
         assert engine.global_steps == SAVED, (engine_name, stage, engine.global_steps)
-        out[(stage, dtype, "offload") if offload else (stage, dtype)] = train(script, engine, rank, world_size,
-                                                                              range(SAVED, SAVED + MORE))
+        out[(stage, "offload") if offloaded else stage] = train(script, engine, rank, world_size,
+                                                                 range(SAVED, SAVED + MORE))
         if hasattr(engine, "destroy"):
             engine.destroy()
     return out
@@ -167,7 +180,7 @@ def damage_worker(rank: int, world_size: int, root: str) -> None:
     script = start(rank, world_size, "zero")
     save.BARRIER_TIMEOUT_S = TIMEOUT_S
     for stage in (2, 3):
-        good = path(os.path.join(root, "deepspeed"), stage, "fp32")
+        good = path(os.path.join(root, "deepspeed"), stage)
         engine = new_engine(script, stage)
         train(script, engine, rank, world_size, range(1))
         for case, (damage, words) in DAMAGE.items():
@@ -221,35 +234,58 @@ def assert_close(got: dict, want: dict, case: str, dtype: str = "fp32") -> None:
             f"{case}: {key} {got[key]} != {want[key]}"
 
 
-SIZES = {2: (1, 3), 3: (2,)}  # the world sizes saved on, and those each is resharded to
+@pytest.fixture(scope="module")
+def root():
+    with tempfile.TemporaryDirectory(prefix="zero-interop-") as directory:
+        yield directory
 
 
-def interop(root: str, world_size: int) -> dict:
-    """Both engines save on `world_size` ranks and continue; each resumes the
-    other's checkpoint (zero also on the SIZES it is resharded to)."""
+@pytest.fixture(scope="module")
+def zero_runs(saved: tuple[int, str], root: str) -> dict:
+    """zero's side of one (world size, dtype), with no DeepSpeed engine: zero saves
+    after SAVED steps and continues (ROOT/zero), and its checkpoints are written in
+    DeepSpeed's layout (ROOT/zero2ds)."""
     from zero.checkpoint import to_deepspeed
 
-    env = {"DS_ACCELERATOR": "cpu"}
-    out = {name: run_ranks(save_worker, world_size, name, root, timeout=300, env=env)[0]
-           for name in ("zero", "deepspeed")}
-    for stage, dtype in kinds(world_size):
-        to_deepspeed.convert(path(os.path.join(root, "zero"), stage, dtype), path(os.path.join(root, "zero2ds"),
-                                                                                  stage, dtype))
-    out["zero2ds"] = run_ranks(resume_worker, world_size, "deepspeed", os.path.join(root, "zero2ds"), world_size,
-                               timeout=300, env=env)[0]
-    for size in (world_size, *SIZES[world_size]):
-        out[f"ds2zero{size}"] = run_ranks(resume_worker, size, "zero", os.path.join(root, "deepspeed"), world_size,
-                                          timeout=300, env=env)[0]
-    out["fp32"] = fp32_outputs(root)
-    if world_size == 2:
-        run_ranks(damage_worker, 2, root, timeout=300, env=env)
+    world_size, dtype = saved
+    base = os.path.join(root, f"w{world_size}-{dtype}")
+    out = {"root": base, "zero": run_ranks(save_worker, world_size, "zero", base, dtype, timeout=300, env=ENV)[0]}
+    for stage in STAGES:
+        to_deepspeed.convert(path(os.path.join(base, "zero"), stage), path(os.path.join(base, "zero2ds"), stage))
     return out
 
 
 @pytest.fixture(scope="module")
-def runs():
-    with tempfile.TemporaryDirectory(prefix="zero-interop-") as root:
-        yield {size: interop(os.path.join(root, f"w{size}"), size) for size in SIZES}
+def runs(request, saved: tuple[int, str]) -> dict:
+    """Both engines on one (world size, dtype), skipped where DeepSpeed refuses the
+    dtype on this CPU: zero's side, DeepSpeed saving and continuing (ROOT/deepspeed),
+    DeepSpeed resuming zero's converted checkpoints, and zero resuming DeepSpeed's
+    on the same ranks (also stage 3 offloaded, in fp32) and on those of SIZES."""
+    world_size, dtype = saved
+    skip_unless_accepted(dtype)
+    out = dict(request.getfixturevalue("zero_runs"))
+    base = out["root"]
+    out["deepspeed"] = run_ranks(save_worker, world_size, "deepspeed", base, dtype, timeout=300, env=ENV)[0]
+    out["zero2ds"] = run_ranks(resume_worker, world_size, "deepspeed", os.path.join(base, "zero2ds"), dtype,
+                               timeout=300, env=ENV)[0]
+    for size in (world_size, *SIZES[world_size]):
+        offload = size == world_size and dtype == "fp32"
+        out[f"ds2zero{size}"] = run_ranks(resume_worker, size, "zero", os.path.join(base, "deepspeed"), dtype, offload,
+                                          timeout=300, env=ENV)[0]
+    return out
+
+
+@pytest.fixture(scope="module")
+def zero_resumes_converted(saved: tuple[int, str], zero_runs: dict) -> dict:
+    """zero resuming its own checkpoints written in DeepSpeed's layout, on the ranks that saved them."""
+    world_size, dtype = saved
+    return run_ranks(resume_worker, world_size, "zero", os.path.join(zero_runs["root"], "zero2ds"), dtype,
+                     timeout=300, env=ENV)[0]
+
+
+@pytest.fixture(scope="module")
+def consolidated(zero_runs: dict) -> dict:
+    return fp32_outputs(zero_runs["root"])
 
 
 def fp32_outputs(root: str) -> dict:
@@ -264,12 +300,12 @@ def fp32_outputs(root: str) -> dict:
 
     out = {}
     for stage in STAGES:
-        ours = to_fp32.convert(path(os.path.join(root, "zero"), stage, "fp32"), os.path.join(root, f"fp32_{stage}.pt"))
-        converted = path(os.path.join(root, "zero2ds"), stage, "fp32")
+        ours = to_fp32.convert(path(os.path.join(root, "zero"), stage), os.path.join(root, f"fp32_{stage}.pt"))
+        converted = path(os.path.join(root, "zero2ds"), stage)
         out[stage] = (torch.load(ours), get_fp32_state_dict_from_zero_checkpoint(converted))
     # the script itself, as a pipeline loads it from beside the checkpoint (its command line also wants
     # huggingface_hub, which DeepSpeed does not install)
-    converted = path(os.path.join(root, "zero2ds"), 3, "fp32")
+    converted = path(os.path.join(root, "zero2ds"), 3)
     spec = importlib.util.spec_from_file_location("zero_to_fp32_beside", os.path.join(converted, "zero_to_fp32.py"))
     beside = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(beside)
@@ -277,53 +313,71 @@ def fp32_outputs(root: str) -> dict:
     return out
 
 
-CASES = [(size, stage, dtype) for size in SIZES for stage, dtype in kinds(size)]
-
-
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("world_size, stage, dtype", CASES)
-def test_zero_checkpoint_continues_on_deepspeed(runs, world_size: int, stage: int, dtype: str) -> None:
-    run = runs[world_size]
-    assert_close(run["zero2ds"][stage, dtype], run["zero"][stage, dtype],
+@saved_on(SAVED_ON)
+@by_stage
+def test_zero_checkpoint_continues_on_deepspeed(runs, saved: tuple[int, str], stage: int) -> None:
+    world_size, dtype = saved
+    assert_close(runs["zero2ds"][stage], runs["zero"][stage],
                  f"{world_size} ranks, stage {stage} {dtype}: DeepSpeed resuming zero's", dtype)
 
 
-@pytest.mark.parametrize("world_size, stage", [(size, stage) for size in SIZES for stage in STAGES])
-def test_deepspeed_consolidates_zero_checkpoint(runs, world_size: int, stage: int) -> None:
+@saved_on([(2, dtype) for dtype in DTYPES])
+@by_stage
+def test_zero_resumes_its_checkpoint_in_deepspeed_layout(zero_runs, zero_resumes_converted, saved: tuple[int, str],
+                                                         stage: int) -> None:
+    """Exactly the run that did not stop: the same engine, ranks and batches, every
+    state (fp32 masters, Adam's moments, the loss scale, which must beat the
+    resumed config's 2**12) carried through DeepSpeed's layout bit for bit."""
+    world_size, dtype = saved
+    got, want = zero_resumes_converted[stage], zero_runs["zero"][stage]
+    case = f"{world_size} ranks, stage {stage} {dtype}: zero resuming its own checkpoint in DeepSpeed's layout"
+    for key in ("loss", "grad_norm", "loss_scale"):
+        assert got[key] == want[key], f"{case}: {key} {got[key]} != {want[key]} (not stopped)"
+
+
+@saved_on(FP32_SAVED_ON)
+@by_stage
+def test_deepspeed_consolidates_zero_checkpoint(consolidated, saved: tuple[int, str], stage: int) -> None:
     """The same names (DeepSpeed lists the tied name last, zero beside its first) and the same values."""
-    ours, theirs = runs[world_size]["fp32"][stage]
-    assert sorted(ours) == sorted(theirs), f"stage {stage}: keys {sorted(ours)} != {sorted(theirs)}"
+    world_size = saved[0]
+    ours, theirs = consolidated[stage]
+    case = f"{world_size} ranks, stage {stage}"
+    assert sorted(ours) == sorted(theirs), f"{case}: keys {sorted(ours)} != {sorted(theirs)}"
     for key, value in ours.items():
-        assert torch.equal(value, theirs[key].to(value.dtype)), f"stage {stage}: {key} differs"
+        assert torch.equal(value, theirs[key].to(value.dtype)), f"{case}: {key} differs"
     if stage == 3:
-        script = runs[world_size]["fp32"]["script"]
-        assert all(torch.equal(value, script[key]) for key, value in ours.items()), "zero_to_fp32.py's output"
+        script = consolidated["script"]
+        assert all(torch.equal(value, script[key]) for key, value in ours.items()), f"{case}: zero_to_fp32.py's output"
 
 
-@pytest.mark.parametrize("world_size, stage, dtype", CASES)
-def test_zero_resumes_deepspeed_checkpoint(runs, world_size: int, stage: int, dtype: str) -> None:
-    run = runs[world_size]
-    assert_close(run[f"ds2zero{world_size}"][stage, dtype], run["deepspeed"][stage, dtype],
+@saved_on(SAVED_ON)
+@by_stage
+def test_zero_resumes_deepspeed_checkpoint(runs, saved: tuple[int, str], stage: int) -> None:
+    world_size, dtype = saved
+    assert_close(runs[f"ds2zero{world_size}"][stage], runs["deepspeed"][stage],
                  f"{world_size} ranks, stage {stage} {dtype}: zero resuming DeepSpeed's", dtype)
 
 
+@saved_on([(2, "fp32")])
 def test_zero_resumes_deepspeed_checkpoint_offloaded(runs) -> None:
     """Stage 3 with the optimizer states offloaded to the host (zero's offload path)."""
-    assert_close(runs[2]["ds2zero2"][3, "fp32", "offload"], runs[2]["deepspeed"][3, "fp32"],
-                 "stage 3, offloaded: zero resuming DeepSpeed's")
+    assert_close(runs["ds2zero2"][3, "offload"], runs["deepspeed"][3], "stage 3, offloaded: zero resuming DeepSpeed's")
 
 
+@saved_on([(2, "fp32")])
 def test_damaged_deepspeed_checkpoints_change_nothing(runs) -> None:
-    """Checked in the fixture (damage_worker): it raises on any failure."""
-    assert runs[2]["zero2ds"], "the fixture ran"
+    """zero refuses every damaged copy of DeepSpeed's checkpoint alike on each rank (damage_worker)."""
+    run_ranks(damage_worker, 2, runs["root"], timeout=300, env=ENV)
 
 
-@pytest.mark.parametrize("saved, world_size", [(saved, size) for saved, sizes in SIZES.items() for size in sizes])
-def test_zero_reshards_deepspeed_checkpoint(runs, saved: int, world_size: int) -> None:
-    assert_close(plain_torch(saved, saved), runs[saved]["deepspeed"][1, "fp32"],
-                 "plain torch (the reference) against DeepSpeed")
-    want = plain_torch(saved, world_size)
-    for stage in STAGES:
-        assert_close(runs[saved][f"ds2zero{world_size}"][stage, "fp32"], want,
-                     f"stage {stage}: zero on {world_size} rank(s) resuming DeepSpeed's from {saved}")
-
+@saved_on(FP32_SAVED_ON)
+def test_zero_reshards_deepspeed_checkpoint(runs, saved: tuple[int, str]) -> None:
+    """DeepSpeed's checkpoint resumed on zero with other world sizes (SIZES)."""
+    saved_size = saved[0]
+    assert_close(plain_torch(saved_size, saved_size), runs["deepspeed"][1],
+                 f"{saved_size} ranks: plain torch (the reference) against DeepSpeed")
+    for world_size in SIZES[saved_size]:
+        want = plain_torch(saved_size, world_size)
+        for stage in STAGES:
+            assert_close(runs[f"ds2zero{world_size}"][stage], want,
+                         f"stage {stage}: zero on {world_size} rank(s) resuming DeepSpeed's from {saved_size}")

@@ -1,7 +1,9 @@
 """The DeepSpeed drop-in: tests/dropin_script.py runs on DeepSpeed and, with only
 its import changed to `import zero as deepspeed`, on zero (2 CPU ranks); the
 learning rates, losses, gradient norms and every surface call's return value
-must agree. Also: the global gradient norm is exact where an fp32 sum is not."""
+must agree. Each dtype's runs are a module fixture of their own, skipped where
+DeepSpeed refuses the dtype on this CPU. Also: the global gradient norm is exact
+where an fp32 sum is not."""
 from __future__ import annotations
 
 import contextlib
@@ -11,14 +13,15 @@ import types
 
 import pytest
 import torch
+from deepspeed_cpu import skip_unless_accepted
 from harness import run_ranks
 
 import zero_reference  # noqa: F401  (puts the repo root on sys.path)
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dropin_script.py")
 NUM_STEPS = 20
-CASES = [(stage, dtype) for stage in (1, 2, 3) for dtype in ("fp32", "bf16")]
-RESUME_STAGES = (1, 2, 3)
+STAGES, DTYPES = (1, 2, 3), ("fp32", "bf16")
+RESUME_STAGES = (1, 2, 3)  # resumed in fp32
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                      reason="deepspeed not installed (test extra)")
 
@@ -38,25 +41,38 @@ def load_script(engine: str) -> types.ModuleType:
     return module
 
 
-def script_worker(rank: int, world_size: int, engine: str) -> dict:
+def script_worker(rank: int, world_size: int, engine: str, dtype: str) -> dict:
+    """The script's calls in `dtype`: training per stage and the engine's surfaces;
+    in fp32 also the calls outside an engine and the resumes."""
     import warnings
 
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size))  # what a launcher sets
     warnings.simplefilter("ignore")  # zero's notes on keys it does not act on, DeepSpeed's deprecations
     script = load_script(engine)
     script.deepspeed.init_distributed(dist_backend="gloo")
-    out = {"surface": script.surface()}
-    for stage, dtype in CASES:
-        out[stage, dtype] = script.train(stage, dtype, NUM_STEPS)
-    for stage in RESUME_STAGES:
-        out["resume", stage] = script.resume(stage, "fp32", 5, 3)
+    out = {"engines": script.engine_surfaces(dtype)}
+    if dtype == "fp32":
+        out["surface"] = script.surface()
+    for stage in STAGES:
+        out[stage] = script.train(stage, dtype, NUM_STEPS)
+    if dtype == "fp32":
+        for stage in RESUME_STAGES:
+            out["resume", stage] = script.resume(stage, "fp32", 5, 3)
     return out
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict[str, list[dict]]:
+def runs(dtype: str) -> dict[str, list[dict]]:
+    """Both engines' runs in one dtype (the test's module-scoped parameter)."""
+    skip_unless_accepted(dtype)
     env = {"DS_ACCELERATOR": "cpu"}
-    return {engine: run_ranks(script_worker, 2, engine, timeout=400, env=env) for engine in ("deepspeed", "zero")}
+    return {engine: run_ranks(script_worker, 2, engine, dtype, timeout=400, env=env)
+            for engine in ("deepspeed", "zero")}
+
+
+def by_dtype(dtypes: tuple[str, ...]):
+    """Module-scoped, so each dtype's fixture runs once, and pytest groups the tests by dtype."""
+    return pytest.mark.parametrize("dtype", dtypes, scope="module")
 
 
 # fp32: the two engines sum the same gradients in other orders (~1 ulp); the
@@ -76,10 +92,11 @@ NORM_TOLERANCE = {"fp32": 1e-6, "bf16": 1e-3}
 
 @needs_deepspeed
 @pytest.mark.timeout(480)
-@pytest.mark.parametrize("stage, dtype", CASES)
+@by_dtype(DTYPES)
+@pytest.mark.parametrize("stage", STAGES)
 def test_training_matches_deepspeed(runs, stage: int, dtype: str) -> None:
     for rank in range(2):
-        want, got = runs["deepspeed"][rank][stage, dtype], runs["zero"][rank][stage, dtype]
+        want, got = runs["deepspeed"][rank][stage], runs["zero"][rank][stage]
         case = f"rank {rank} stage {stage} {dtype}"
         assert got["lr"] == want["lr"], f"{case}: lr {got['lr']} != DeepSpeed's {want['lr']}"
         loss_gap = max(abs(g - w) for g, w in zip(got["loss"], want["loss"]))
@@ -92,6 +109,7 @@ def test_training_matches_deepspeed(runs, stage: int, dtype: str) -> None:
 
 @needs_deepspeed
 @pytest.mark.timeout(480)
+@by_dtype(("fp32",))
 @pytest.mark.parametrize("stage", RESUME_STAGES)
 def test_resume_with_another_accumulation_matches_deepspeed(runs, stage: int) -> None:
     """Saved at optimizer step 5 with accumulation 2, resumed with 4 (10
@@ -109,17 +127,28 @@ def test_resume_with_another_accumulation_matches_deepspeed(runs, stage: int) ->
 
 @needs_deepspeed
 @pytest.mark.timeout(480)
+@by_dtype(DTYPES)
+def test_engine_surface_matches_deepspeed(runs, dtype: str) -> None:
+    """At each stage the script runs in `dtype` (its ENGINE_DTYPES)."""
+    for rank in range(2):
+        want, got = runs["deepspeed"][rank]["engines"], runs["zero"][rank]["engines"]
+        assert want and sorted(got) == sorted(want), f"rank {rank} {dtype}: stages {sorted(got)} != {sorted(want)}"
+        for stage in want:
+            g, w = dict(got[stage]), dict(want[stage])
+            g_params, w_params = g.pop("params"), w.pop("params")
+            assert g == w, f"rank {rank} stage {stage}: zero {g} != DeepSpeed {w}"
+            tolerance = PARAM_TOLERANCE["bf16" if g["bf16"] else "fp32"]
+            assert g_params == pytest.approx(w_params, abs=tolerance), f"rank {rank} stage {stage}: after no_sync"
+
+
+@needs_deepspeed
+@pytest.mark.timeout(480)
+@by_dtype(("fp32",))
 def test_surface_matches_deepspeed(runs) -> None:
     for rank in range(2):
         want, got = runs["deepspeed"][rank]["surface"], runs["zero"][rank]["surface"]
         for key in ("comm", "arguments"):
             assert got[key] == want[key], f"rank {rank} {key}: zero {got[key]} != DeepSpeed {want[key]}"
-        for stage in range(4):
-            g, w = dict(got[f"engine stage {stage}"]), dict(want[f"engine stage {stage}"])
-            g_params, w_params = g.pop("params"), w.pop("params")
-            assert g == w, f"rank {rank} stage {stage}: zero {g} != DeepSpeed {w}"
-            tolerance = PARAM_TOLERANCE["bf16" if g["bf16"] else "fp32"]
-            assert g_params == pytest.approx(w_params, abs=tolerance), f"rank {rank} stage {stage}: after no_sync"
         g, w = got["init"], want["init"]
         assert g["shapes"] == w["shapes"] and g["ds_shapes"] == w["ds_shapes"], f"rank {rank}: {g} != {w}"
         assert g["built"] == pytest.approx(w["built"], abs=1e-5) and g["modified"] == w["modified"]

@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from deepspeed_cpu import skip_unless_accepted
 from harness import run_ranks
 from zero_reference import TinyTransformer, activation_peaks
 
@@ -223,15 +224,23 @@ for step in range(2 * engine.gradient_accumulation_steps()):
     engine.step()
     losses.append(loss.item())
 assert engine.global_steps == 2 * engine.gradient_accumulation_steps() and all(map(torch.isfinite, torch.tensor(losses)))
+print("trained", losses)
+"""
+WRITTEN_LOADS = """
+import json, sys, torch
+sys.path[:0] = [{root!r}, {tests!r}]
 from deepspeed_cpu import import_deepspeed
+from zero_reference import TinyTransformer
 deepspeed = import_deepspeed()
 model = TinyTransformer()
-ds, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=config)
-print("trained", losses, type(ds).__name__)
+ds, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                              config=json.load(open({path!r})))
+print("loaded", type(ds).__name__)
 """
 
 
-def test_written_config_trains_with_zero_and_loads_in_deepspeed(tmp_path) -> None:
+def written_config(tmp_path) -> str:
+    """The config zero.estimate writes for 1e9 parameters on 8 ranks of 3 GB; its path."""
     path = str(tmp_path / "ds_config.json")
     args = ["--params", "1e9", "--ranks", "8", "--device-memory", "3GB", "--host-memory", "64GB",
             "--reduce-bucket-size", "1e6", "--stage3-prefetch-bucket-size", "1e6", "--write", path]
@@ -239,11 +248,29 @@ def test_written_config_trains_with_zero_and_loads_in_deepspeed(tmp_path) -> Non
     config = json.load(open(path))
     assert config["zero_optimization"] == {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
     assert config["train_micro_batch_size_per_gpu"] == 1 and "activation_checkpointing" in config
-    code = WRITTEN_TRAINS.format(root=ROOT, tests=os.path.join(ROOT, "tests"), path=path)
+    return path
+
+
+def run_written(code: str, path: str) -> subprocess.CompletedProcess:
+    code = code.format(root=ROOT, tests=os.path.join(ROOT, "tests"), path=path)
     env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}, "DS_ACCELERATOR": "cpu",
            "LOCAL_RANK": "0"}  # DeepSpeed's sanity check wants a launcher's variable
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
+
+
+def test_written_config_trains_with_zero(tmp_path) -> None:
+    result = run_written(WRITTEN_TRAINS, written_config(tmp_path))
     assert result.returncode == 0 and "trained" in result.stdout, (result.stdout + result.stderr)[-3000:]
+
+
+def test_written_config_loads_in_deepspeed(tmp_path) -> None:
+    """DeepSpeed builds its engine from the written config, in the config's dtype
+    (skipped where DeepSpeed refuses that dtype on this CPU)."""
+    path = written_config(tmp_path)
+    config = json.load(open(path))
+    skip_unless_accepted(next((d for d in ("bf16", "fp16") if config.get(d, {}).get("enabled")), "fp32"))
+    result = run_written(WRITTEN_LOADS, path)
+    assert result.returncode == 0 and "loaded" in result.stdout, (result.stdout + result.stderr)[-3000:]
 
 
 def test_cli_model_and_shapes(capsys) -> None:
