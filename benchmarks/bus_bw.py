@@ -79,7 +79,9 @@ def sizes(args: argparse.Namespace) -> list[int]:
 def machine_info(world_size: int, transport: str) -> dict:
     import torch
 
-    return {"host": platform.node(), "processor": platform.processor() or platform.machine(),
+    from machine import cpu_line, cpu_model
+
+    return {"host": platform.node(), "processor": cpu_model(), "cpu": cpu_line(),
             "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
             "world_size": world_size, "ringcomm_transport": transport}
 
@@ -99,6 +101,9 @@ def worker(args: argparse.Namespace) -> None:
 
         progress = tqdm(total=len(cases) * len(args.backends), desc="bus_bw", unit="case", file=sys.stderr,
                         dynamic_ncols=True, leave=False, disable=not sys.stderr.isatty())
+        from machine import cpu_line
+
+        progress.write(f"# {cpu_line()}")
     for index, (op, size) in enumerate(cases):
         if rank == 0 and (index == 0 or cases[index - 1][0] != op):
             progress.write(format_header(op, args, runner))

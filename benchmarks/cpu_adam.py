@@ -4,7 +4,7 @@ bf16 copy-out of the parameter (the whole step as each implementation runs it).
 
     python benchmarks/cpu_adam.py [--sizes 10e6,100e6] [--threads 2] [--repeats 3]
 
-Rows: the engine (zero/host_adam.py: csrc/cpu/adam.cpp, one pass incl. unscale
+Rows: the engine (zero/host_adam.py: csrc/cpu/kernels/adam.cpp, one pass incl. unscale
 and the bf16 copy), torch's fused AdamW (grad_scale folds the unscale in; a
 second pass for the bf16 copy), torch's foreach AdamW (separate unscale pass),
 DeepSpeed's path (its unscale pass, DeepSpeedCPUAdam, then the copy; built
@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from machine import cpu_line  # noqa: E402
 from zero.offload import host_adam  # noqa: E402
 
 # bytes read + written per parameter: norm (read grad 4); a fused Adam pass (grad
@@ -136,6 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
                 continue
             rows.append({"impl": name, "numel": numel, "ns_per_param": ns, "bytes_per_param": BYTES[name],
                          "gbps": BYTES[name] / ns})
+    print(f"# {cpu_line()}")
     print(f"{'params':>8} {'implementation':<22} {'ns/param':>9} {'B/param':>8} {'GB/s':>6} {'stream GB/s':>11}")
     for row in rows:
         if "error" in row:

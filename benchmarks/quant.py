@@ -25,6 +25,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import quant_reference as ref  # noqa: E402
+from machine import cpu_line  # noqa: E402
 import torch  # noqa: E402
 
 from ringcomm import quant  # noqa: E402
@@ -113,6 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     with open("/proc/loadavg") as f:
         loadavg = f.read().split()[:3]
+    print(f"# {cpu_line()}")
     print(f"loadavg {' '.join(loadavg)}; torch threads {torch.get_num_threads()}")
     print(f"{'MiB':>4} {'dtype':>5} {'fmt':>5} {'op':<20} {'ours':>8} {'torch':>8} {'vs torch':>8} "
           f"{'memcpy':>8} {'/memcpy':>7} {'/touched':>8}   (GB/s of the float side)")

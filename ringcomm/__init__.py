@@ -7,6 +7,7 @@ from .buffer import FlatBuffer, GradBucket, flat_buffers, transport_allocator
 from .coalesced import all_gather_coalesced, reduce_scatter_coalesced
 from .collectives import all_gather, all_reduce, barrier, broadcast, empty, reduce_scatter
 from .flat_scheduler import BucketScheduler
+from .kernels import CpuCapabilities, cpu_capabilities, cpu_capability
 from .group import Group, GroupOptions, GroupState, create_group, default_group, destroy_default_group, new_group
 from .launch import OverlapReport
 from .layout import BufferLayout, BucketSpan, ParamSlot, plan_buckets, plan_groups, plan_module_buckets
@@ -19,10 +20,10 @@ from .transport.torch_dist import TorchDistOptions
 from .work import Work
 
 __all__ = [
-    "BucketLauncher", "BucketScheduler", "BucketSpan", "BufferLayout", "FlatBuffer", "GradBucket", "Group",
+    "BucketLauncher", "BucketScheduler", "BucketSpan", "BufferLayout", "CpuCapabilities", "FlatBuffer", "GradBucket", "Group",
     "GroupOptions", "GroupState", "OverlapReport", "OwnedBucketScheduler", "ParamSlot", "ReduceOp", "ShmOptions",
     "TorchDistOptions", "Work", "all_gather",
-    "all_gather_coalesced", "all_reduce", "barrier", "broadcast", "create_group", "default_group",
+    "all_gather_coalesced", "all_reduce", "barrier", "broadcast", "cpu_capabilities", "cpu_capability", "create_group", "default_group",
     "destroy_default_group", "dump_trace", "empty", "flat_buffers", "new_group", "plan_buckets", "plan_groups",
     "plan_module_buckets", "process_group", "quantized_all_gather", "quantized_reduce_scatter", "reduce_scatter", "reduce_scatter_coalesced", "transport_allocator",
 ]

@@ -1,12 +1,41 @@
-"""How bytes combine: tensor-level wrappers over the C++ reduction kernels."""
+"""How bytes combine: tensor-level wrappers over the C++ reduction kernels, and
+which build of those kernels runs on this CPU."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from . import _C, cuda_kernels
 from .ops import LOW_PRECISION, ReduceOp, dtype_code
+
+
+@dataclass(frozen=True, slots=True)
+class CpuCapabilities:
+    """The builds of the C++ kernels ([Note: CPU capabilities] in csrc/cpu/cpu_capability.h):
+    `active` runs; `built` are in this library, narrowest first; `supported` are those this
+    CPU runs; `march` is the baseline's -march ("" for the compiler's default)."""
+    active: str
+    built: tuple[str, ...]
+    supported: tuple[str, ...]
+    march: str
+
+
+# Chosen once, here at import: an unknown RINGCOMM_CPU_CAPABILITY fails now, not inside a collective.
+_ACTIVE = _C.cpu_capability()
+
+
+def cpu_capability() -> str:
+    """The build of the C++ kernels in use: "default" (x86-64-v2, or the compiler's
+    default off x86), "avx2", "avx512" or "avx512_bf16": the best this CPU runs, or
+    a lower one forced by RINGCOMM_CPU_CAPABILITY (as ATEN_CPU_CAPABILITY)."""
+    return _ACTIVE
+
+
+def cpu_capabilities() -> CpuCapabilities:
+    found = _C.cpu_capabilities()
+    return CpuCapabilities(_ACTIVE, tuple(found["built"]), tuple(found["supported"]), found["march"])
 
 
 def reduce_into(dst: torch.Tensor, srcs: Sequence[torch.Tensor], op: ReduceOp, divisor: int = 1) -> None:

@@ -1,5 +1,5 @@
 """Blockwise int8/int4 quantization for ZeRO++ (qwZ weights, qgZ gradients): the format,
-its argument checks, and dispatch to the CPU (csrc/cpu/quant.cpp) and CUDA (csrc/cuda/quant.cu) kernels.
+its argument checks, and dispatch to the CPU (csrc/cpu/kernels/quant.cpp) and CUDA (csrc/cuda/quant.cu) kernels.
 
 [Note: quantized blocks]
 A flat tensor of n elements (float32, bfloat16 or float16) is cut into blocks of `block`

@@ -1,4 +1,4 @@
-"""zero/host_adam.py (csrc/cpu/adam.cpp) against torch's own Adam/AdamW:
+"""zero/host_adam.py (csrc/cpu/kernels/adam.cpp) against torch's own Adam/AdamW:
 odd sizes, both decay modes, bf16/fp16/no copy-out, 1 and 2 threads."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The blockwise quantization kernels (ringcomm.quant, csrc/cpu/quant.cpp) against the plain-torch
+"""The blockwise quantization kernels (ringcomm.quant, csrc/cpu/kernels/quant.cpp) against the plain-torch
 reference of tests/quant_reference.py, bit for bit; the round-trip error bound; NaN and inf; the
 fused dequantize_sum; and every argument error."""
 from __future__ import annotations

@@ -1,10 +1,12 @@
 """What works with `pip install -e` works from a wheel: the wheel holds every
 package and the CUDA sources, and installed in a fresh venv it runs from a
 folder outside the checkout (imports, zero's command lines, a 2-rank
-all_reduce on the "ringcomm" backend)."""
+all_reduce on the "ringcomm" backend), and on older CPUs than this one,
+emulated by qemu-user (tests/cpu_check.py: the slow tier)."""
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -12,6 +14,7 @@ import zipfile
 from pathlib import Path
 
 import numpy
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,10 +59,16 @@ def clean_copy(target: Path) -> Path:
     return target
 
 
-def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
+@pytest.fixture(scope="module")
+def installed_wheel(tmp_path_factory) -> Path:
+    """The wheel built with the default settings from a clean copy, unpacked into a fresh venv
+    that sees torch and numpy (from this one) but not the checkout; its python."""
+    tmp_path = tmp_path_factory.mktemp("wheel")
     wheels = tmp_path / "wheels"
     source = clean_copy(tmp_path / "source")
-    run([sys.executable, "-m", "pip", "wheel", source, "--no-deps", "-q", "-w", wheels], cwd=tmp_path, timeout=600)
+    env = {k: v for k, v in os.environ.items() if k != "RINGCOMM_MARCH"}
+    run([sys.executable, "-m", "pip", "wheel", source, "--no-deps", "-q", "-w", wheels], cwd=tmp_path, timeout=600,
+        env=env)
     (wheel,) = wheels.glob("ringcomm-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     missing = {p for p in source_packages() if f"{p}/__init__.py" not in names}
@@ -67,7 +76,6 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     cuda_sources = {f"ringcomm/cuda/{p.name}" for p in (ROOT / "csrc" / "cuda").glob("*.cu")}
     assert cuda_sources and cuda_sources <= names, f"the wheel lacks {sorted(cuda_sources - names)}"
 
-    # A fresh venv that sees torch and numpy (from this one) but not the checkout.
     venv = tmp_path / "venv"
     run([sys.executable, "-m", "venv", "--without-pip", venv], cwd=tmp_path, timeout=120)
     python = venv / "bin" / "python"
@@ -76,7 +84,13 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     deps = {str(Path(m.__file__).resolve().parent.parent) for m in (torch, numpy)}
     (purelib / "deps.pth").write_text("\n".join(sorted(deps)) + "\n")
     zipfile.ZipFile(wheel).extractall(purelib)  # a wheel without scripts or data installs as its files
+    return python
 
+
+def test_wheel_installs_and_runs_outside_the_checkout(installed_wheel, tmp_path):
+    python = installed_wheel
+    purelib = Path(run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=tmp_path,
+                       timeout=60).strip())
     work = tmp_path / "elsewhere"
     work.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
@@ -98,3 +112,22 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
               timeout=180, env=env)
     assert out.count("all_reduce ok") == 2 and str(purelib) in out, out
 
+
+# CPUs older than this one, as qemu-user names them: AVX2 without AVX-512, and x86-64-v2 without AVX.
+EMULATED_CPUS = {"Haswell": "avx2", "Nehalem": "default"}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="emulates x86-64 CPUs")
+@pytest.mark.skipif(shutil.which("qemu-x86_64") is None,
+                    reason="qemu-x86_64 not installed (Debian's qemu-user; .ci/run installs it)")
+@pytest.mark.parametrize("cpu", sorted(EMULATED_CPUS))
+def test_wheel_computes_on_older_cpus(installed_wheel, tmp_path, cpu):
+    """The wheel built on this machine runs its kernels bit-exactly on a CPU without AVX-512 and one
+    without AVX: an extension compiled for this CPU alone dies there with SIGILL."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "RINGCOMM_CPU_CAPABILITY")}
+    check = ROOT / "tests" / "cpu_check.py"
+    result = subprocess.run(["qemu-x86_64", "-cpu", cpu, str(installed_wheel), str(check)], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, f"-cpu {cpu}: exit {result.returncode}\n{result.stdout}\n{result.stderr[-4000:]}"
+    assert f"cpu check ok: capability={EMULATED_CPUS[cpu]} " in result.stdout, result.stdout

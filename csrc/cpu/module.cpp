@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "adam.h"
+#include "cpu_capability.h"
 #include "module_lean.h"
 #include "process.h"
 #include "quant.h"
@@ -67,6 +68,16 @@ void release_comm(PyObject* capsule) {
   delete static_cast<std::shared_ptr<ShmComm>*>(PyCapsule_GetPointer(capsule, ringcomm::kCommCapsule));
 }
 
+std::vector<std::string> capability_names(const std::vector<ringcomm::CpuCapability>& capabilities) {
+  std::vector<std::string> names;
+  for (ringcomm::CpuCapability capability : capabilities) names.emplace_back(ringcomm::capability_name(capability));
+  return names;
+}
+
+#ifndef RINGCOMM_BUILD_MARCH
+#define RINGCOMM_BUILD_MARCH ""
+#endif
+
 ShmConfig make_config(int64_t slot_nbytes, int num_slots, int64_t oneshot_max_nbytes, int64_t spin_ns,
                       int64_t cma_min_nbytes, int64_t cma_reduce_min_nbytes) {
   return ShmConfig{slot_nbytes, num_slots, oneshot_max_nbytes, spin_ns, cma_min_nbytes, cma_reduce_min_nbytes};
@@ -93,6 +104,14 @@ PYBIND11_MODULE(_C, m) {
   m.def("dequantize_sum", &dequantize_sum, "out = sum of the dequantized rows, in float32, rounded once",
         py::arg("data"), py::arg("scales"), py::arg("num_rows"), py::arg("out"), py::arg("dtype"), py::arg("numel"),
         py::arg("bits"), py::arg("block"), py::arg("num_threads") = 1, no_gil);
+
+  m.def("cpu_capability", [] { return std::string(ringcomm::capability_name(ringcomm::active_capability())); },
+        "the build of the kernels in use: default, avx2, avx512 or avx512_bf16 (csrc/cpu/cpu_capability.h)");
+  m.def("cpu_capabilities", [] {
+        return py::dict(py::arg("built") = capability_names(ringcomm::built_capabilities()),
+                        py::arg("supported") = capability_names(ringcomm::supported_capabilities()),
+                        py::arg("march") = std::string(RINGCOMM_BUILD_MARCH));
+      }, "the builds of the kernels in this library, those this CPU runs, and the baseline's -march ('' for the compiler's default)");
 
   m.def("process_state", [](int64_t pid) { return static_cast<int>(ringcomm::process_state(pid)); },
         "what a process of this host does: an index of ringcomm.host.PROCESS_STATES", py::arg("pid"));

@@ -14,8 +14,8 @@ struct QuantFormat {
 };
 
 // Bytes of quantized data for numel elements, and the number of scales.
-int64_t packed_nbytes(int64_t numel, int bits);
-int64_t num_blocks(int64_t numel, int64_t block);
+inline int64_t packed_nbytes(int64_t numel, int bits) { return bits == 4 ? (numel + 1) / 2 : numel; }
+inline int64_t num_blocks(int64_t numel, int64_t block) { return (numel + block - 1) / block; }
 
 // x: numel elements of dtype (float32, bfloat16, float16); data: packed_nbytes
 // bytes; scales: num_blocks float32. Blocks are split over up to num_threads threads.

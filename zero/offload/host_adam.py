@@ -1,5 +1,5 @@
 """The optimizer step on fp32 masters in host memory (the engine on CPU, and
-ZeRO-Offload): Adam/AdamW run the fused kernel of csrc/cpu/adam.cpp, which
+ZeRO-Offload): Adam/AdamW run the fused kernel of csrc/cpu/kernels/adam.cpp, which
 unscales and clips the gradient, updates master and both moments and writes
 the 16-bit copy of the parameter in one pass over memory. torch's fused kernel
 needs a second pass for the 16-bit copy (benchmarks/cpu_adam.py measures

@@ -8,9 +8,10 @@
 #include <limits>
 #include <type_traits>
 
-#include "convert.h"
+#include "kernels/convert.h"
 
 namespace ringcomm {
+namespace RINGCOMM_CPU_CAPABILITY {
 
 // One block's k rows: row j's bytes start at data + j * row_nbytes, its scale
 // at scales[j * row_scales].
@@ -164,4 +165,5 @@ template <typename T> int64_t quantize_lanes(const T*, int64_t, uint8_t*, float,
 template <typename T> int64_t dequantize_sum_lanes(BlockRows, T*, int64_t, int) { return 0; }
 #endif
 
+}  // namespace RINGCOMM_CPU_CAPABILITY
 }  // namespace ringcomm

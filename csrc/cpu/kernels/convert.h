@@ -1,6 +1,6 @@
-// Loading 16-bit floats into their float32 accumulator and storing back, one
-// element, 16 lanes (AVX-512) or a block at a time (the reduction and
-// quantization kernels share it).
+// The 16-bit float types, and loading them into their float32 accumulator and
+// storing back, one element, 16 lanes (AVX-512) or a block at a time (the
+// reduction, quantization and Adam kernels share it).
 #pragma once
 
 #include <cstdint>
@@ -15,13 +15,45 @@
 #endif
 #include <type_traits>
 
-#include "common.h"
+#include "kernels/kernels.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define RINGCOMM_AVX512 1
 #endif
 
 namespace ringcomm {
+namespace RINGCOMM_CPU_CAPABILITY {
+
+// bfloat16 is the top half of a float32; rounding is to nearest even, and a
+// NaN stays a (quiet) NaN instead of rounding into infinity. Both directions are
+// integer arithmetic without branches on the bit patterns, so loops over them vectorize.
+struct BFloat16 { uint16_t bits; };
+
+inline uint32_t bf16_to_f32_bits(uint16_t bits) { return static_cast<uint32_t>(bits) << 16; }
+
+inline uint16_t f32_to_bf16_bits(uint32_t bits) {
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const uint32_t quiet_nan = (bits >> 16) | 0x40u;
+  return static_cast<uint16_t>((bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
+}
+
+inline float load_float(BFloat16 v) {
+  const uint32_t bits = bf16_to_f32_bits(v.bits);
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+inline BFloat16 store_float(float v, BFloat16) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  return BFloat16{f32_to_bf16_bits(bits)};
+}
+
+// IEEE half: the compiler's _Float16 converts with F16C where the target has it.
+using Half = _Float16;
+inline float load_float(Half v) { return static_cast<float>(v); }
+inline Half store_float(float v, Half) { return static_cast<Half>(v); }
 
 // How a storage type T is loaded into, and stored from, its accumulator.
 template <typename T> struct Accumulate { using Type = T; };
@@ -122,4 +154,5 @@ inline void narrow(const A* acc, T* dst, int64_t len) {
   for (; i < len; ++i) dst[i] = store<T>(acc[i]);
 }
 
+}  // namespace RINGCOMM_CPU_CAPABILITY
 }  // namespace ringcomm

@@ -1,11 +1,14 @@
-#include "copy.h"
-
+// Byte copies of the collectives (copy.h).
 #include <cstring>
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
+#include "copy.h"
+#include "kernels/kernels.h"
+
 namespace ringcomm {
+namespace RINGCOMM_CPU_CAPABILITY {
 
 void copy_bytes(void* dst, const void* src, int64_t nbytes) {
   auto* out = static_cast<char*>(dst);
@@ -33,4 +36,5 @@ void copy_bytes(void* dst, const void* src, int64_t nbytes) {
   std::memcpy(out, in, nbytes);
 }
 
+}  // namespace RINGCOMM_CPU_CAPABILITY
 }  // namespace ringcomm

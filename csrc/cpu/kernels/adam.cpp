@@ -2,17 +2,15 @@
 // unscale/clip the gradient, update both moments and the master, and write
 // the 16-bit copy of the parameter. torch's fused kernel does the update but
 // leaves the 16-bit copy to a second pass that reads the master again.
-#include "adam.h"
-
 #include <algorithm>
 #include <cmath>
-#include <stdexcept>
-#include <string>
 #include <type_traits>
 
+#include "kernels/convert.h"
 #include "parallel.h"
 
 namespace ringcomm {
+namespace RINGCOMM_CPU_CAPABILITY {
 namespace {
 
 struct Coefs {
@@ -61,21 +59,15 @@ void run(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, Out
 
 void adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, void* out, DType out_dtype,
                int64_t numel, const AdamHyper& hyper, int num_threads) {
-  if (numel < 0 || num_threads < 1 || hyper.step < 1) {
-    throw std::invalid_argument("adam_step: numel=" + std::to_string(numel) + ", num_threads=" +
-                                std::to_string(num_threads) + ", step=" + std::to_string(hyper.step));
-  }
   const Coefs c = coefs_of(hyper);
   if (out == nullptr) {
     run<float>(param, grad, exp_avg, exp_avg_sq, nullptr, numel, c, num_threads);
   } else if (out_dtype == DType::kBFloat16) {
     run(param, grad, exp_avg, exp_avg_sq, static_cast<BFloat16*>(out), numel, c, num_threads);
-  } else if (out_dtype == DType::kFloat16) {
+  } else {  // float16 (checked in kernels.cpp)
     run(param, grad, exp_avg, exp_avg_sq, static_cast<Half*>(out), numel, c, num_threads);
-  } else {
-    throw std::invalid_argument("adam_step: the parameter copy must be bfloat16 or float16, got dtype code " +
-                                std::to_string(static_cast<int>(out_dtype)));
   }
 }
 
+}  // namespace RINGCOMM_CPU_CAPABILITY
 }  // namespace ringcomm

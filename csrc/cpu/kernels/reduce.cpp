@@ -1,13 +1,12 @@
 // Reduction kernels: plain loops over fixed-size blocks that the compiler
-// vectorizes for the build machine (see setup.py for the -march choice).
-#include "reduce.h"
-
+// vectorizes for each CPU capability (kernels.h).
 #include <algorithm>
 #include <type_traits>
 
-#include "convert.h"
+#include "kernels/convert.h"
 
 namespace ringcomm {
+namespace RINGCOMM_CPU_CAPABILITY {
 namespace {
 
 // Integer sum and product wrap around (as torch's do) instead of overflowing
@@ -82,9 +81,6 @@ void reduce_typed(void* dst, const void* const* srcs, int num_srcs, int64_t nume
 
 void reduce_n(void* dst, const void* const* srcs, int num_srcs, int64_t numel, DType dtype, RedOp op,
               int64_t divisor) {
-  if (num_srcs < 1) throw std::invalid_argument("reduce_n: needs at least one source, got " + std::to_string(num_srcs));
-  if (numel < 0) throw std::invalid_argument("reduce_n: numel=" + std::to_string(numel) + " < 0");
-  if (op == RedOp::kAvg && divisor < 1) throw std::invalid_argument("reduce_n: avg divisor=" + std::to_string(divisor) + " < 1");
   switch (dtype) {
     case DType::kFloat32: return reduce_typed<float>(dst, srcs, num_srcs, numel, op, divisor);
     case DType::kFloat64: return reduce_typed<double>(dst, srcs, num_srcs, numel, op, divisor);
@@ -95,4 +91,5 @@ void reduce_n(void* dst, const void* const* srcs, int num_srcs, int64_t numel, D
   }
 }
 
+}  // namespace RINGCOMM_CPU_CAPABILITY
 }  // namespace ringcomm

@@ -5,20 +5,17 @@
 // (a float max would drop NaN). The rest runs over tiles that the compiler
 // vectorizes; the float ops are exactly those of the format (no FMA: a product
 // and the sum it feeds are separate loops).
-#include "quant.h"
-
 #include <algorithm>
 #include <cstring>
 #include <limits>
-#include <stdexcept>
-#include <string>
 #include <type_traits>
 
-#include "convert.h"
+#include "kernels/convert.h"
+#include "kernels/quant_simd.h"
 #include "parallel.h"
-#include "quant_simd.h"
 
 namespace ringcomm {
+namespace RINGCOMM_CPU_CAPABILITY {
 namespace {
 
 constexpr int64_t kTile = 1024;  // elements per tile; even, so a tile starts on a byte of int4 pairs
@@ -183,49 +180,27 @@ void dequantize_sum_typed(const uint8_t* data, const float* scales, int num_rows
   });
 }
 
-void check_format(const char* op, int64_t numel, QuantFormat f, int num_threads) {
-  if (f.bits != 4 && f.bits != 8) throw std::invalid_argument(std::string(op) + ": bits=" + std::to_string(f.bits) + ", expected 4 or 8");
-  if (f.block < 1 || (f.bits == 4 && f.block % 2 != 0)) {
-    throw std::invalid_argument(std::string(op) + ": block=" + std::to_string(f.block) + " must be >= 1, and even for 4 bits");
-  }
-  if (numel < 0 || num_threads < 1) {
-    throw std::invalid_argument(std::string(op) + ": numel=" + std::to_string(numel) + ", num_threads=" +
-                                std::to_string(num_threads) + " (expected numel >= 0, num_threads >= 1)");
-  }
-}
-
-std::invalid_argument bad_dtype(const char* op, DType dtype) {
-  return std::invalid_argument(std::string(op) + ": dtype code " + std::to_string(static_cast<int>(dtype)) +
-                               ", expected float32, bfloat16 or float16");
-}
-
 }  // namespace
-
-int64_t packed_nbytes(int64_t numel, int bits) { return bits == 4 ? (numel + 1) / 2 : numel; }
-
-int64_t num_blocks(int64_t numel, int64_t block) { return (numel + block - 1) / block; }
 
 void quantize(const void* x, DType dtype, int64_t numel, uint8_t* data, float* scales, QuantFormat format,
               int num_threads) {
-  check_format("quantize", numel, format, num_threads);
   switch (dtype) {
     case DType::kFloat32: return quantize_typed(static_cast<const float*>(x), numel, data, scales, format, num_threads);
     case DType::kBFloat16: return quantize_typed(static_cast<const BFloat16*>(x), numel, data, scales, format, num_threads);
     case DType::kFloat16: return quantize_typed(static_cast<const Half*>(x), numel, data, scales, format, num_threads);
-    default: throw bad_dtype("quantize", dtype);
+    default: return;  // checked in kernels.cpp
   }
 }
 
 void dequantize_sum(const uint8_t* data, const float* scales, int num_rows, void* out, DType dtype, int64_t numel,
                     QuantFormat format, int num_threads) {
-  check_format("dequantize_sum", numel, format, num_threads);
-  if (num_rows < 1) throw std::invalid_argument("dequantize_sum: num_rows=" + std::to_string(num_rows) + " < 1");
   switch (dtype) {
     case DType::kFloat32: return dequantize_sum_typed(data, scales, num_rows, static_cast<float*>(out), numel, format, num_threads);
     case DType::kBFloat16: return dequantize_sum_typed(data, scales, num_rows, static_cast<BFloat16*>(out), numel, format, num_threads);
     case DType::kFloat16: return dequantize_sum_typed(data, scales, num_rows, static_cast<Half*>(out), numel, format, num_threads);
-    default: throw bad_dtype("dequantize_sum", dtype);
+    default: return;  // checked in kernels.cpp
   }
 }
 
+}  // namespace RINGCOMM_CPU_CAPABILITY
 }  // namespace ringcomm

@@ -1,0 +1,31 @@
+// The kernels of one CPU capability. setup.py compiles every source of this
+// folder once per capability ([Note: CPU capabilities] in cpu_capability.h),
+// each time with that capability's -march and RINGCOMM_CPU_CAPABILITY naming
+// the namespace that holds all of its code, so no two builds share a symbol.
+// Arguments are checked before the call (kernels.cpp); these only compute.
+#pragma once
+
+#include <cstdint>
+
+#include "adam.h"
+#include "common.h"
+#include "quant.h"
+
+#ifndef RINGCOMM_CPU_CAPABILITY
+#define RINGCOMM_CPU_CAPABILITY cpu_default
+#endif
+
+namespace ringcomm {
+namespace RINGCOMM_CPU_CAPABILITY {
+
+void reduce_n(void* dst, const void* const* srcs, int num_srcs, int64_t numel, DType dtype, RedOp op, int64_t divisor);
+void copy_bytes(void* dst, const void* src, int64_t nbytes);
+void quantize(const void* x, DType dtype, int64_t numel, uint8_t* data, float* scales, QuantFormat format,
+              int num_threads);
+void dequantize_sum(const uint8_t* data, const float* scales, int num_rows, void* out, DType dtype, int64_t numel,
+                    QuantFormat format, int num_threads);
+void adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, void* out, DType out_dtype,
+               int64_t numel, const AdamHyper& hyper, int num_threads);
+
+}  // namespace RINGCOMM_CPU_CAPABILITY
+}  // namespace ringcomm
