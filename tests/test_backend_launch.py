@@ -72,6 +72,7 @@ def run_torchrun(script: str, *launches: list[str], env: dict[str, str]) -> list
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_torchrun_single_and_multi_node() -> None:
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": repo, "OMP_NUM_THREADS": "1"}

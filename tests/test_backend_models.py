@@ -179,6 +179,7 @@ def train_deepspeed(engine, rank: int) -> None:
 
 @pytest.mark.timeout(150)
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed (test extra)")
+@pytest.mark.slow
 def test_deepspeed_zero_matches_gloo(tmp_path) -> None:
     env = {"DS_ACCELERATOR": "cpu"}
     want = run_ranks(deepspeed_worker, 2, f"file://{tmp_path}/gloo", "gloo", timeout=120, env=env)

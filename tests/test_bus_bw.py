@@ -50,6 +50,7 @@ def test_spawned_ranks(tmp_path):
     assert plot.stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_under_torchrun(tmp_path):
     out = tmp_path / "bus_bw.json"
     run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", SCRIPT, *SWEEP,

@@ -201,7 +201,7 @@ def stress_every_path(rank, world_size, transport):
     return results
 
 
-@pytest.mark.parametrize("transport", ["shm", "torch_dist"])
+@pytest.mark.parametrize("transport", ["shm", pytest.param("torch_dist", marks=pytest.mark.slow)])
 def test_close_and_abort_at_random_moments(transport):
     run_ranks(stress_every_path, 2, transport, timeout=240)
 

@@ -43,6 +43,7 @@ def result_of(output: str) -> dict:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 @pytest.mark.parametrize("num_hosts, per_host, kind, description", [
     (2, 2, "hierarchical", "hierarchical: 2 hosts x 2 ranks (host-major)"),
     (4, 1, "torch_dist", "torch_dist: flat ring over 4 ranks"),
@@ -73,6 +74,7 @@ def test_across_hosts_matches_references(num_hosts, per_host, kind, description)
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_bus_bw_runs_across_hosts():
     with cluster.Cluster(2) as machines:
         script = os.path.join(os.path.dirname(HERE), "benchmarks", "bus_bw.py")
@@ -84,7 +86,7 @@ def test_bus_bw_runs_across_hosts():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("mode", ["link_down", "kill", "stop", "flap"])
+@pytest.mark.parametrize("mode", ["kill", *(pytest.param(m, marks=pytest.mark.slow) for m in ("link_down", "stop", "flap"))])
 def test_network_failure_fails_every_survivor_in_time(mode):
     """The failure hits host 1 (the store is on host 0: host 1's ranks lose it
     with the link); flap: the link is down 1.5 s of an 8 s timeout."""

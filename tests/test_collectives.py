@@ -175,7 +175,7 @@ def check_bf16_rounds_once(rank, world_size, transport):
 
 
 @pytest.mark.parametrize("transport", ["shm", "torch_dist"])
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("world_size", [1, 2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 def test_collectives_match_gloo(world_size, transport):
     run_ranks(check_against_gloo, world_size, transport, timeout=240)
 

@@ -25,13 +25,20 @@ CAPABILITIES = ("default", "avx2", "avx512", "avx512_bf16")  # narrowest first
 KERNEL_TESTS = ("tests/test_kernels.py", "tests/test_quant.py", "tests/test_host_step.py")
 
 
-def run_python(code: str, capability: str | None, timeout: float = 120) -> subprocess.CompletedProcess:
+def start_python(code: str, capability: str | None) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "RINGCOMM_CPU_CAPABILITY"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     if capability is not None:
         env["RINGCOMM_CPU_CAPABILITY"] = capability
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def run_python(code: str, capabilities: list[str | None], timeout: float = 120) -> list[tuple[int, str, str]]:
+    """(exit code, stdout, stderr) of `code` under each RINGCOMM_CPU_CAPABILITY, all at once."""
+    procs = [start_python(code, capability) for capability in capabilities]
+    outputs = [proc.communicate(timeout=timeout) for proc in procs]
+    return [(proc.returncode, out, err) for proc, (out, err) in zip(procs, outputs)]
 
 
 def test_the_library_reports_the_build_it_runs():
@@ -47,16 +54,14 @@ def test_the_library_reports_the_build_it_runs():
 
 def test_the_variable_forces_a_lower_build_and_names_itself():
     found = ringcomm.cpu_capabilities()
-    code = "import ringcomm; print(ringcomm.cpu_capability())"
-    for capability in found.supported:
-        result = run_python(code, capability)
-        assert result.returncode == 0 and result.stdout.split()[-1] == capability, (capability, result.stderr)
-    for capability in CAPABILITIES[len(found.supported):]:  # wider than this CPU: its best, as ATEN_CPU_CAPABILITY
-        result = run_python(code, capability)
-        assert result.returncode == 0 and result.stdout.split()[-1] == found.supported[-1], (capability, result)
-    result = run_python(code, "avx-512")
-    assert result.returncode != 0 and "ValueError: RINGCOMM_CPU_CAPABILITY=avx-512: expected one of" in result.stderr, \
-        result.stderr[-2000:]
+    wider = list(CAPABILITIES[len(found.supported):])  # than this CPU runs: its best, as ATEN_CPU_CAPABILITY
+    cases = [*found.supported, *wider, "avx-512"]
+    results = run_python("import ringcomm; print(ringcomm.cpu_capability())", cases)
+    for capability, (code, out, err) in zip(cases[:-1], results):
+        expected = capability if capability in found.supported else found.supported[-1]
+        assert code == 0 and out.split()[-1] == expected, (capability, expected, out, err[-2000:])
+    code, _, err = results[-1]
+    assert code != 0 and "ValueError: RINGCOMM_CPU_CAPABILITY=avx-512: expected one of" in err, err[-2000:]
 
 
 def test_the_isa_check_finds_wider_instructions():
@@ -102,6 +107,6 @@ def test_kernel_tests_under_every_build_this_cpu_runs(capability):
     if capability == found.active:
         pytest.skip(f"{capability} is the build the rest of the suite runs")
     code = (f"import sys, pytest, ringcomm; assert ringcomm.cpu_capability() == {capability!r}; "
-            f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', *{KERNEL_TESTS!r}]))")
-    result = run_python(code, capability, timeout=600)
-    assert result.returncode == 0, f"under RINGCOMM_CPU_CAPABILITY={capability}:\n{result.stdout[-6000:]}"
+            f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-p', 'no:xdist', *{KERNEL_TESTS!r}]))")
+    [(returncode, out, _)] = run_python(code, [capability], timeout=600)
+    assert returncode == 0, f"under RINGCOMM_CPU_CAPABILITY={capability}:\n{out[-6000:]}"

@@ -46,6 +46,7 @@ def source_constant(name: str) -> int:
 # ---- tier 1: nvcc ---------------------------------------------------------------------------
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+@pytest.mark.slow
 def test_nvcc_compiles_and_launchers_link(tmp_path):
     jobs = []  # a full build (host code, device code through ptxas) for sm_90, PTX for nvcc's default arch
     for source in sorted(CUDA_DIR.glob("*.cu")):

@@ -146,6 +146,7 @@ def _wait_stopped(pid: int) -> None:
     raise AssertionError(f"pid {pid} did not stop")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["shm", "torch_dist"])
 def test_stopped_peer_fails_every_op_in_every_mode(transport):
     before = shm_entries()

@@ -96,8 +96,9 @@ def check_windows(group, rank, world_size, case):
 # The uneven placement runs the flat torch_dist ring (tested in full by test_collectives): fewer dtypes.
 @pytest.mark.parametrize("hosts, kind, description, dtypes", [
     (HOST_MAJOR, "hierarchical", "2 hosts x 2 ranks (host-major)", DTYPES),
-    (INTERLEAVED, "hierarchical", "2 hosts x 2 ranks (interleaved)", DTYPES),
-    (UNEVEN, "torch_dist", "unequal numbers of ranks [3, 1]", [torch.float32, torch.bfloat16, torch.int64]),
+    pytest.param(INTERLEAVED, "hierarchical", "2 hosts x 2 ranks (interleaved)", DTYPES, marks=pytest.mark.slow),
+    pytest.param(UNEVEN, "torch_dist", "unequal numbers of ranks [3, 1]", [torch.float32, torch.bfloat16, torch.int64],
+                 marks=pytest.mark.slow),
 ], ids=["host_major", "interleaved", "uneven"])
 def test_hierarchical_matches_gloo(hosts, kind, description, dtypes):
     run_ranks(check_against_gloo, 4, hosts, kind, description, dtypes, timeout=120)

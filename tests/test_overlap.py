@@ -104,7 +104,7 @@ def _grads_match_ddp(rank: int, world_size: int, transport: str) -> None:
                     _compare(model, expected, case, rank, scheduler if mode == "reduce_scatter" else None)
 
 
-@pytest.mark.parametrize("world_size,transport", [(2, "auto"), (3, "auto"), (4, "auto"), (2, "torch_dist")])
+@pytest.mark.parametrize("world_size,transport", [(2, "auto"), (3, "auto"), pytest.param(4, "auto", marks=pytest.mark.slow), (2, "torch_dist")])
 def test_grads_match_ddp(world_size: int, transport: str) -> None:
     run_ranks(_grads_match_ddp, world_size, transport, timeout=240)
 

@@ -33,7 +33,7 @@ SELECTION = COLLECTIVES + DDP + GROUPS + BARRIER_AND_ASYNC
 # Async calls (DDP's, async_op=True) inline with 2 ranks and on the comm thread
 # with 3, on any machine: "auto" would pick by the usable cores (that choice:
 # tests/test_backend.py::test_auto_async_mode_follows_the_usable_cores).
-@pytest.mark.parametrize("world_size, async_mode", [(2, "inline"), (3, "thread")])
+@pytest.mark.parametrize("world_size, async_mode", [pytest.param(2, "inline", marks=pytest.mark.slow), pytest.param(3, "thread", marks=pytest.mark.slow)])
 def test_suite_selection_passes_on_ringcomm(world_size: int, async_mode: str, monkeypatch) -> None:
     monkeypatch.setenv("RINGCOMM_ASYNC", async_mode)
     selection = SELECTION + sorted(EXPECTED_FAILURES)

@@ -59,6 +59,15 @@ def clean_copy(target: Path) -> Path:
     return target
 
 
+def test_setuptools_finds_every_package():
+    """What the wheel will hold: setuptools' discovery, as pyproject.toml configures it, finds every
+    package of the source tree (a folder without __init__.py would be left out)."""
+    from setuptools import find_packages
+
+    found = {name.replace(".", "/") for name in find_packages(str(ROOT), include=["ringcomm*", "zero*"])}
+    assert found == source_packages(), f"missing {sorted(source_packages() - found)}, extra {sorted(found - source_packages())}"
+
+
 @pytest.fixture(scope="module")
 def installed_wheel(tmp_path_factory) -> Path:
     """The wheel built with the default settings from a clean copy, unpacked into a fresh venv
@@ -87,6 +96,7 @@ def installed_wheel(tmp_path_factory) -> Path:
     return python
 
 
+@pytest.mark.slow
 def test_wheel_installs_and_runs_outside_the_checkout(installed_wheel, tmp_path):
     python = installed_wheel
     purelib = Path(run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=tmp_path,

@@ -69,6 +69,7 @@ def load_worker(rank: int, world_size: int, cases: dict) -> None:
             assert not [f for f in os.listdir(save_dir) if f.startswith(".")], f"{case}: {os.listdir(save_dir)}"
 
 
+@pytest.mark.slow
 def test_kill_during_save() -> None:
     with tempfile.TemporaryDirectory(prefix="zero-kill-") as directory:
         loads = {}

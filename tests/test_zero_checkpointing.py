@@ -117,7 +117,7 @@ def parity_worker(rank: int, world_size: int) -> dict:
     return held
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("world_size", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_parity_stages_and_partitioned_bytes(world_size: int) -> None:
     results = run_ranks(parity_worker, world_size, timeout=300)
     numel = 3 * 8 * 16  # one block input (micro batch, sequence, hidden), fp32

@@ -33,7 +33,7 @@ import zipfile
 import pytest
 import torch
 import torch.distributed as dist
-from deepspeed_cpu import DTYPES, skip_unless_accepted
+from deepspeed_cpu import DTYPES, refusal, skip_unless_accepted
 from harness import run_ranks
 from test_zero_checkpoint_safety import TIMEOUT_S, Payload, expect_refusal, flip
 from test_zero_dropin import load_script
@@ -313,6 +313,7 @@ def fp32_outputs(root: str) -> dict:
     return out
 
 
+@pytest.mark.slow
 @saved_on(SAVED_ON)
 @by_stage
 def test_zero_checkpoint_continues_on_deepspeed(runs, saved: tuple[int, str], stage: int) -> None:
@@ -321,6 +322,7 @@ def test_zero_checkpoint_continues_on_deepspeed(runs, saved: tuple[int, str], st
                  f"{world_size} ranks, stage {stage} {dtype}: DeepSpeed resuming zero's", dtype)
 
 
+@pytest.mark.slow
 @saved_on([(2, dtype) for dtype in DTYPES])
 @by_stage
 def test_zero_resumes_its_checkpoint_in_deepspeed_layout(zero_runs, zero_resumes_converted, saved: tuple[int, str],
@@ -335,6 +337,7 @@ def test_zero_resumes_its_checkpoint_in_deepspeed_layout(zero_runs, zero_resumes
         assert got[key] == want[key], f"{case}: {key} {got[key]} != {want[key]} (not stopped)"
 
 
+@pytest.mark.slow
 @saved_on(FP32_SAVED_ON)
 @by_stage
 def test_deepspeed_consolidates_zero_checkpoint(consolidated, saved: tuple[int, str], stage: int) -> None:
@@ -350,6 +353,7 @@ def test_deepspeed_consolidates_zero_checkpoint(consolidated, saved: tuple[int, 
         assert all(torch.equal(value, script[key]) for key, value in ours.items()), f"{case}: zero_to_fp32.py's output"
 
 
+@pytest.mark.slow
 @saved_on(SAVED_ON)
 @by_stage
 def test_zero_resumes_deepspeed_checkpoint(runs, saved: tuple[int, str], stage: int) -> None:
@@ -358,18 +362,21 @@ def test_zero_resumes_deepspeed_checkpoint(runs, saved: tuple[int, str], stage: 
                  f"{world_size} ranks, stage {stage} {dtype}: zero resuming DeepSpeed's", dtype)
 
 
+@pytest.mark.slow
 @saved_on([(2, "fp32")])
 def test_zero_resumes_deepspeed_checkpoint_offloaded(runs) -> None:
     """Stage 3 with the optimizer states offloaded to the host (zero's offload path)."""
     assert_close(runs["ds2zero2"][3, "offload"], runs["deepspeed"][3], "stage 3, offloaded: zero resuming DeepSpeed's")
 
 
+@pytest.mark.slow
 @saved_on([(2, "fp32")])
 def test_damaged_deepspeed_checkpoints_change_nothing(runs) -> None:
     """zero refuses every damaged copy of DeepSpeed's checkpoint alike on each rank (damage_worker)."""
     run_ranks(damage_worker, 2, runs["root"], timeout=300, env=ENV)
 
 
+@pytest.mark.slow
 @saved_on(FP32_SAVED_ON)
 def test_zero_reshards_deepspeed_checkpoint(runs, saved: tuple[int, str]) -> None:
     """DeepSpeed's checkpoint resumed on zero with other world sizes (SIZES)."""
@@ -381,3 +388,18 @@ def test_zero_reshards_deepspeed_checkpoint(runs, saved: tuple[int, str]) -> Non
         for stage in STAGES:
             assert_close(runs[f"ds2zero{world_size}"][stage], want,
                          f"stage {stage}: zero on {world_size} rank(s) resuming DeepSpeed's from {saved_size}")
+
+
+def test_deepspeed_refusals_are_asked_of_deepspeed() -> None:
+    """The one answer the module's skips rest on: fp32 is never refused, a half type is refused
+    exactly where DeepSpeed's CPU accelerator says it is unsupported, and the reason names it."""
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    accelerator = CPU_Accelerator()
+    assert refusal("fp32") is None
+    for dtype, supported in (("fp16", bool(accelerator.is_fp16_supported())), ("bf16", bool(accelerator.is_bf16_supported()))):
+        reason = refusal(dtype)
+        assert (reason is None) == supported, f"{dtype}: supported={supported}, refusal={reason!r}"
+        assert reason is None or f"refuses {dtype}" in reason, reason
+    with pytest.raises(ValueError, match="'fp8'"):
+        refusal("fp8")

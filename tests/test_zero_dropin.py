@@ -93,6 +93,7 @@ NORM_TOLERANCE = {"fp32": 1e-6, "bf16": 1e-3}
 @needs_deepspeed
 @pytest.mark.timeout(480)
 @by_dtype(DTYPES)
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", STAGES)
 def test_training_matches_deepspeed(runs, stage: int, dtype: str) -> None:
     for rank in range(2):
@@ -110,6 +111,7 @@ def test_training_matches_deepspeed(runs, stage: int, dtype: str) -> None:
 @needs_deepspeed
 @pytest.mark.timeout(480)
 @by_dtype(("fp32",))
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", RESUME_STAGES)
 def test_resume_with_another_accumulation_matches_deepspeed(runs, stage: int) -> None:
     """Saved at optimizer step 5 with accumulation 2, resumed with 4 (10
@@ -128,6 +130,7 @@ def test_resume_with_another_accumulation_matches_deepspeed(runs, stage: int) ->
 @needs_deepspeed
 @pytest.mark.timeout(480)
 @by_dtype(DTYPES)
+@pytest.mark.slow
 def test_engine_surface_matches_deepspeed(runs, dtype: str) -> None:
     """At each stage the script runs in `dtype` (its ENGINE_DTYPES)."""
     for rank in range(2):
@@ -144,6 +147,7 @@ def test_engine_surface_matches_deepspeed(runs, dtype: str) -> None:
 @needs_deepspeed
 @pytest.mark.timeout(480)
 @by_dtype(("fp32",))
+@pytest.mark.slow
 def test_surface_matches_deepspeed(runs) -> None:
     for rank in range(2):
         want, got = runs["deepspeed"][rank]["surface"], runs["zero"][rank]["surface"]

@@ -263,6 +263,7 @@ def test_written_config_trains_with_zero(tmp_path) -> None:
     assert result.returncode == 0 and "trained" in result.stdout, (result.stdout + result.stderr)[-3000:]
 
 
+@pytest.mark.slow
 def test_written_config_loads_in_deepspeed(tmp_path) -> None:
     """DeepSpeed builds its engine from the written config, in the config's dtype
     (skipped where DeepSpeed refuses that dtype on this CPU)."""

@@ -91,6 +91,7 @@ def runs(tmp_path_factory) -> dict[str, tuple[str, list[dict]]]:
 
 
 @needs_deepspeed
+@pytest.mark.slow
 def test_log_summary_lists_the_ops_deepspeed_lists(runs) -> None:
     ours, theirs = runs["zero"][1][0], runs["deepspeed"][1][0]
     # DeepSpeed's stage 3 reduces with reduce_scatter_tensor and gathers with all_gather_into_tensor as zero does;

@@ -103,7 +103,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("world_size", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_offload_parity(world_size: int) -> None:
     with tempfile.TemporaryDirectory(prefix="zero-nvme-") as root:
         run_ranks(parity_worker, world_size, CASES[world_size], root, timeout=240)

@@ -154,7 +154,7 @@ def matrix_worker(rank: int, world_size: int, root: str) -> int:
     return len(valid)
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_offload_matrix(world_size: int) -> None:
     with tempfile.TemporaryDirectory(prefix="zero-matrix-") as root:
         assert run_ranks(matrix_worker, world_size, root, timeout=80) == [15] * world_size

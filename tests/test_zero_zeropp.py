@@ -97,6 +97,7 @@ def _train(rank: int, world_size: int, steps: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_zeropp_trains_like_stage3_on_two_hosts():
     results = run_ranks(_train, 4, STEPS, timeout=900)
     runs = results[0]
