@@ -53,10 +53,14 @@ class CpuVariant:
 
 
 # Widest last: the link keeps the first of equal inline functions, so the narrowest copy wins.
+# -mtune: GCC 12's generic tuning vectorizes the reduction loops into code that runs at 0.7x of
+# a -march=native build on an AMD Zen 2 (38 against 54 GB/s, 256 KiB fp32 sums); Skylake's
+# tuning, the common AVX2 core, matches native there. The AVX-512 builds take Ice Lake's.
 X86_VARIANTS = (
-    CpuVariant("cpu_avx2", "RINGCOMM_WITH_AVX2", ("-march=x86-64-v3",)),
-    CpuVariant("cpu_avx512", "RINGCOMM_WITH_AVX512", ("-march=x86-64-v4",)),
-    CpuVariant("cpu_avx512_bf16", "RINGCOMM_WITH_AVX512_BF16", ("-march=x86-64-v4", "-mavx512bf16")),
+    CpuVariant("cpu_avx2", "RINGCOMM_WITH_AVX2", ("-march=x86-64-v3", "-mtune=skylake")),
+    CpuVariant("cpu_avx512", "RINGCOMM_WITH_AVX512", ("-march=x86-64-v4", "-mtune=icelake-server")),
+    CpuVariant("cpu_avx512_bf16", "RINGCOMM_WITH_AVX512_BF16", ("-march=x86-64-v4", "-mavx512bf16",
+                                                                 "-mtune=icelake-server")),
 )
 KERNEL_SOURCES = sorted(glob.glob("csrc/cpu/kernels/*.cpp"))
 

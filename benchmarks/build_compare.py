@@ -21,7 +21,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # name: (script and arguments, how to read {cell: speed, higher is better} from its JSON)
 BENCHMARKS = {
-    "bus_bw": (["bus_bw.py", "--backends", "ringcomm", "-b", "8", "-e", "16M", "-f", "8"],
+    "bus_bw": (["bus_bw.py", "--backends", "ringcomm", "-b", "8", "-e", "16M", "-f", "8", "-n", "50", "-w", "10"],
                lambda report: {f"{r['op']} {r['size']} B": r["oop"]["busbw"] for r in report["rows"]}),
     "quant": (["quant.py", "--sizes-mib", "1,16", "--no-torch", "--repeats", "5"],
               lambda report: {f"{r['op']} {r['dtype']} {r['format']} {r['mib']} MiB": r["ours_gbps"]
