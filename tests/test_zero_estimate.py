@@ -232,6 +232,9 @@ sys.path[:0] = [{root!r}, {tests!r}]
 from deepspeed_cpu import import_deepspeed
 from zero_reference import TinyTransformer
 deepspeed = import_deepspeed()
+import tempfile, torch.distributed as dist
+# one rank, initialized as a launcher would: DeepSpeed takes the group instead of looking for MPI
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
 model = TinyTransformer()
 ds, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()),
                               config=json.load(open({path!r})))
