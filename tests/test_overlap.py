@@ -219,6 +219,7 @@ def test_coalesced(world_size: int) -> None:
     run_ranks(_coalesced, world_size, timeout=120)
 
 
+@pytest.mark.slow
 def test_overlap_benchmark_smoke(tmp_path) -> None:
     import json
     import subprocess

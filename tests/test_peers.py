@@ -63,6 +63,7 @@ def test_quick_run_every_installed_peer(tmp_path):
 
 
 @pytest.mark.skipif(not HAVE_MPI, reason="without mpi4py the run above already spawns its ranks")
+@pytest.mark.slow
 def test_spawned_ranks_show_mpi_as_off(tmp_path):
     report, stdout = run_quick(tmp_path, "--launcher", "spawn", "--peers", "rc_plain,mpi", "--ops", "all_reduce",
                                "-e", "8")

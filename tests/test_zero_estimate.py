@@ -169,6 +169,7 @@ def offload_worker(rank: int, world_size: int, nvme_path: str) -> None:
                     f"{case} {where}: measured {got} B, estimate {want:.0f} B"
 
 
+@pytest.mark.slow
 def test_model_states_match_memory_report(tmp_path) -> None:
     run_ranks(states_worker, 2, timeout=240)
     run_ranks(offload_worker, 2, str(tmp_path), timeout=240)

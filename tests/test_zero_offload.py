@@ -206,6 +206,7 @@ def resume_and_bad_paths(rank: int, world_size: int, root: str) -> None:
     assert os.listdir(nvme_path) == [], f"rank {rank}: {os.listdir(nvme_path)}"
 
 
+@pytest.mark.slow
 def test_killed_rank_during_nvme_step() -> None:
     with tempfile.TemporaryDirectory(prefix="zero-nvme-") as root:
         run_ranks(kill_during_nvme_step, 2, root, env={"RINGCOMM_TIMEOUT": "5"}, may_die=frozenset({1}), timeout=120)

@@ -102,6 +102,6 @@ def parity_worker(rank: int, world_size: int, stages: tuple[int, ...]) -> None:
     check_case(rank, world_size, "torch_attention", 3, "fp32", 1, "ringcomm", reference)  # one unit per MHA
 
 
-@pytest.mark.parametrize("world_size", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 def test_parity(world_size: int) -> None:
     run_ranks(parity_worker, world_size, (0, 1, 2, 3), timeout=240)

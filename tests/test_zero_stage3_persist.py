@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 
 from harness import run_ranks
@@ -95,6 +96,7 @@ def forward_memory_worker(rank: int, world_size: int) -> float:
     return added
 
 
+@pytest.mark.slow
 def test_forward_does_not_keep_gathered_weights() -> None:
     added = run_ranks(forward_memory_worker, 2)
     assert max(added) < 12, f"a stage-3 forward kept {added} MiB resident (gathered weights: 32 MiB)"
