@@ -89,8 +89,12 @@ def test_bus_bw_runs_across_hosts():
 @pytest.mark.parametrize("mode", ["kill", *(pytest.param(m, marks=pytest.mark.slow) for m in ("link_down", "stop", "flap"))])
 def test_network_failure_fails_every_survivor_in_time(mode):
     """The failure hits host 1 (the store is on host 0: host 1's ranks lose it
-    with the link); flap: the link is down 1.5 s of an 8 s timeout."""
-    timeout_s = 8.0 if mode == "flap" else FAILURE_TIMEOUT_S
+    with the link); flap: the link is down 1.5 s of a 30 s timeout. TCP backs
+    its retransmissions off (doubling from ~0.2 s), so a transfer caught by an
+    outage of D s resumes up to ~2D s after the link is back (3.2-4 s here on
+    a quiet machine, docs/cluster_failures.txt); on a loaded CI machine, with
+    the link's carrier event delayed, one passed 8 s."""
+    timeout_s = 30.0 if mode == "flap" else FAILURE_TIMEOUT_S
     with cluster.Cluster(2) as machines:
         outcome = drive_failure(machines, mode, timeout_s=timeout_s, down_s=1.5)
     found = problems(outcome, mode, timeout_s, DETECTION_SLACK_S)
