@@ -4,8 +4,6 @@
 // Python recorder draws from too so that both parts number one series.
 #pragma once
 
-#include <pybind11/pybind11.h>
-
 #include <cstdint>
 #include <vector>
 
@@ -41,8 +39,5 @@ class TraceRing {
   std::vector<TraceEntry> ring_;
   int64_t seq_ = 0;
 };
-
-// Adds _trace_resize, _trace_next_seq and _trace_entries (on ShmComm._handle) to `m`.
-void add_trace_functions(pybind11::module_& m);
 
 }  // namespace ringcomm
