@@ -1,5 +1,5 @@
 """ZeRO++ in the engine (zero/sharding/zeropp.py): a GPT with tied embeddings
-trained 300 steps at stage 3 on 4 ranks as 2 simulated hosts x 2, with qwZ,
+trained 200 steps at stage 3 on 4 ranks as 2 simulated hosts x 2, with qwZ,
 hpZ, qgZ and all three against the unquantized run of the same data; the
 keys' errors; hpZ's memory; the bytes each rank sends."""
 from __future__ import annotations
@@ -15,7 +15,8 @@ from torch import nn
 from harness import run_ranks
 
 VOCAB, BLOCK, EMBD, LAYERS, BATCH = 64, 16, 32, 1, 8
-STEPS = 300
+STEPS = 300  # stage 2's run; stage 3's takes 200 (its final losses agree to 0.6% there, 0.4% at 300)
+STAGE3_STEPS = 200
 HOSTS = ("a", "a", "b", "b")
 RUNS = {
     "plain": {},
@@ -99,7 +100,7 @@ def _train(rank: int, world_size: int, steps: int) -> dict:
 
 @pytest.mark.slow
 def test_zeropp_trains_like_stage3_on_two_hosts():
-    results = run_ranks(_train, 4, STEPS, timeout=900)
+    results = run_ranks(_train, 4, STAGE3_STEPS, timeout=900)
     runs = results[0]
     assert runs["plain"]["transport"] == "hierarchical"
     plain = runs["plain"]["losses"]
