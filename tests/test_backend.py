@@ -189,7 +189,7 @@ def movement_worker(rank: int, world_size: int, init_method: str) -> int:
 
 
 # (world_size, transport); with 3 ranks async calls run on the comm thread, else inline.
-CASES = [(2, "shm"), (3, "shm"), (4, "shm"), (3, "torch_dist")]
+CASES = [(2, "shm"), (3, "shm"), pytest.param(4, "shm", marks=pytest.mark.slow), (3, "torch_dist")]
 
 
 def case_env(world_size: int, transport: str) -> dict[str, str]:

@@ -241,7 +241,7 @@ def test_algorithm_thresholds_match_gloo(world_size):
 
 
 @pytest.mark.parametrize("transport", ["shm", "torch_dist"])
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_collectives_closed_form(world_size, transport):
     run_ranks(check_closed_form, world_size, transport)
 
@@ -300,6 +300,6 @@ def check_shm_windows(rank, world_size):
             ringcomm.all_reduce(mixed, group=group)
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_shm_windows_match_gloo(world_size):
     run_ranks(check_shm_windows, world_size)

@@ -95,7 +95,8 @@ def _sweep(rank: int, world_size: int, kind: str) -> int:
     return checked
 
 
-@pytest.mark.parametrize("kind,world_size", [("shm", 2), ("shm", 3), ("torch_dist", 2), ("torch_dist", 4),
+@pytest.mark.parametrize("kind,world_size", [("shm", 2), ("shm", 3), ("torch_dist", 2),
+                                             pytest.param("torch_dist", 4, marks=pytest.mark.slow),
                                              ("hierarchical", 4), ("hierarchical-interleaved", 4)])
 def test_quantized_collectives_match_round_trips(kind, world_size):
     counts = run_ranks(_sweep, world_size, kind, timeout=240)

@@ -143,7 +143,7 @@ def accounting_worker(rank: int, world_size: int) -> list[list[float]]:
         [check_forced_overflow(rank, world_size, 2, static=True)]
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_memory_wire_and_loss_scale(world_size: int) -> None:
     results = run_ranks(accounting_worker, world_size, timeout=180)
     assert all(r == results[0] for r in results), f"ranks disagree on the loss scale: {results}"

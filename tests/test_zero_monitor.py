@@ -111,6 +111,7 @@ def test_log_summary_lists_the_ops_deepspeed_lists(runs) -> None:
 
 
 @needs_deepspeed
+@pytest.mark.slow
 def test_monitors_write_deepspeeds_files_and_tags(runs) -> None:
     ours_root, ours = runs["zero"]
     theirs_root, _ = runs["deepspeed"]

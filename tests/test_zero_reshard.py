@@ -174,7 +174,7 @@ def test_to_fp32_streams(saved, tmp_path) -> None:
         assert state.keys() == reference.keys() and all(torch.equal(state[k], reference[k]) for k in reference)
 
 
-@pytest.mark.parametrize("world_size", [1, 3, 4])
+@pytest.mark.parametrize("world_size", [1, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_resume_on_other_world_size(saved, world_size: int) -> None:
     directory, _ = saved
     results = run_ranks(resume_worker, world_size, directory, timeout=240)
