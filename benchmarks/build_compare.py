@@ -3,10 +3,11 @@ quant.py and cpu_adam.py run alternately on this checkout (the default build:
 kernels chosen when the library loads) and on another checkout built with
 RINGCOMM_MARCH=native, rounds times each. Prints, per benchmark, the median
 over its cells of (dispatched / native speed), each cell the median of the
-rounds, with the range of the cells; writes every cell to JSON.
+rounds, with the range of the cells and of the rounds (each round's pair
+alone); writes every sample to JSON.
 
     git worktree add /tmp/native HEAD && (cd /tmp/native && RINGCOMM_MARCH=native python setup.py build_ext --inplace)
-    python benchmarks/build_compare.py --native /tmp/native [--rounds 3]
+    python benchmarks/build_compare.py --native /tmp/native [--rounds 3] [--benchmarks cpu_adam]
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ BENCHMARKS = {
     "quant": (["quant.py", "--sizes-mib", "1,16", "--no-torch", "--repeats", "5"],
               lambda report: {f"{r['op']} {r['dtype']} {r['format']} {r['mib']} MiB": r["ours_gbps"]
                               for r in report["results"]}),
-    "cpu_adam": (["cpu_adam.py", "--sizes", "10e6"],
+    "cpu_adam": (["cpu_adam.py", "--sizes", "10e6", "--repeats", "15"],
                  lambda report: {f"{r['impl']} {r['numel']:.0e}": 1.0 / r["ns_per_param"] for r in report["rows"]
                                  if r["impl"].startswith("engine") and "ns_per_param" in r}),
 }
@@ -52,29 +53,39 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--native", required=True, help="a checkout built in place with RINGCOMM_MARCH=native")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--benchmarks", default=",".join(BENCHMARKS), help=f"a comma-separated subset of {list(BENCHMARKS)}")
     p.add_argument("--json", default="bench-results/build_compare.json")
     args = p.parse_args(argv)
+    chosen = args.benchmarks.split(",")
+    if unknown := sorted(set(chosen) - set(BENCHMARKS)):
+        p.error(f"--benchmarks: unknown {unknown}; choose from {list(BENCHMARKS)}")
     trees = {"dispatched": ROOT, "native": os.path.abspath(args.native)}
     builds = {kind: capability(tree) for kind, tree in trees.items()}
     print(f"# builds: " + "; ".join(f"{kind}: kernels {b.split()[0]}, -march={b.split()[1]}" for kind, b in builds.items()))
     with open("/proc/loadavg") as f:
         print(f"# loadavg at start {' '.join(f.read().split()[:3])}")
-    samples: dict[str, dict[str, dict[str, list[float]]]] = {n: {k: {} for k in trees} for n in BENCHMARKS}
+    samples: dict[str, dict[str, dict[str, list[float]]]] = {n: {k: {} for k in trees} for n in chosen}
     with tempfile.TemporaryDirectory() as tmp:
         for round_index in range(args.rounds):
-            for name in BENCHMARKS:
+            for name in chosen:
                 for kind in (("dispatched", "native") if round_index % 2 == 0 else ("native", "dispatched")):
                     for cell, value in run_once(trees[kind], name, tmp).items():
                         samples[name][kind].setdefault(cell, []).append(value)
             print(f"# round {round_index + 1} of {args.rounds} done", file=sys.stderr)
     report = {"builds": builds, "rounds": args.rounds, "benchmarks": {}}
-    print(f"{'benchmark':<10} {'cells':>5} {'median dispatched/native':>25} {'range of cells':>16}")
+    print(f"{'benchmark':<10} {'cells':>5} {'median dispatched/native':>25} {'range of cells':>16} "
+          f"{'range of rounds':>16}")
     for name, by_kind in samples.items():
+        cells = [cell for cell in by_kind["dispatched"] if cell in by_kind["native"]]
         ratios = {cell: statistics.median(by_kind["dispatched"][cell]) / statistics.median(by_kind["native"][cell])
-                  for cell in by_kind["dispatched"] if cell in by_kind["native"]}
+                  for cell in cells}
+        # each round's pair alone (the median over cells of its ratios): how far one round moves
+        per_round = sorted(statistics.median(by_kind["dispatched"][cell][i] / by_kind["native"][cell][i]
+                                             for cell in cells) for i in range(args.rounds))
         values = sorted(ratios.values())
-        print(f"{name:<10} {len(values):>5} {statistics.median(values):>25.3f} {values[0]:>7.3f}-{values[-1]:.3f}")
-        report["benchmarks"][name] = {"ratios": ratios, "samples": by_kind}
+        print(f"{name:<10} {len(values):>5} {statistics.median(values):>25.3f} {values[0]:>7.3f}-{values[-1]:.3f} "
+              f"{per_round[0]:>9.3f}-{per_round[-1]:.3f}")
+        report["benchmarks"][name] = {"ratios": ratios, "round_ratios": per_round, "samples": by_kind}
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(report, f, indent=1)
