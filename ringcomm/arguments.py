@@ -1,0 +1,24 @@
+"""Checks of caller arguments and RINGCOMM_* variables before C++ sees them:
+pybind11 refuses a float or an int beyond its C type with a dump of every
+overload, and C++ may try to allocate whatever it is given. Each error names
+the argument or variable, its value and what is allowed. Standard library only."""
+from __future__ import annotations
+
+import numbers
+
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+
+
+def check_int_type(where: str, name: str, value: object) -> None:
+    """`value` is an int, and not a bool (True would pass as 1); else a TypeError
+    naming `name` and `where`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{where}: {name}={value!r} must be an int, got {type(value).__name__}")
+
+
+def check_int(where: str, name: str, value: object, low: int, high: int) -> None:
+    """`value` is an int (not a bool) in [low, high]; else TypeError / ValueError
+    naming `name` and `where`."""
+    check_int_type(where, name, value)
+    if not low <= value <= high:
+        raise ValueError(f"{where}: {name}={value} is out of range: expected an int in [{low}, {high}]")
