@@ -5,6 +5,7 @@ the argument or variable, its value and what is allowed. Standard library only."
 from __future__ import annotations
 
 import numbers
+import os
 
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 
@@ -22,3 +23,29 @@ def check_int(where: str, name: str, value: object, low: int, high: int) -> None
     check_int_type(where, name, value)
     if not low <= value <= high:
         raise ValueError(f"{where}: {name}={value} is out of range: expected an int in [{low}, {high}]")
+
+
+def int_from_env(variable: str, default: int, low: int, high: int) -> int:
+    """The integer in environment variable `variable` (`default` when unset or
+    empty), which must lie in [low, high]."""
+    text = os.environ.get(variable, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise ValueError(f"ringcomm: {variable}={text!r} is not an integer; expected one in [{low}, {high}]") from None
+    if not low <= value <= high:
+        raise ValueError(f"ringcomm: {variable}={text!r} is out of range: expected an integer in [{low}, {high}]")
+    return value
+
+
+def flag_from_env(variable: str, default: bool) -> bool:
+    """Environment variable `variable` as "1" (on) or "0" (off); `default` when
+    unset or empty. Anything else ("false", "no") is refused rather than guessed."""
+    text = os.environ.get(variable, "").strip()
+    if not text:
+        return default
+    if text not in ("0", "1"):
+        raise ValueError(f"ringcomm: {variable}={text!r} must be 1 (on) or 0 (off)")
+    return text == "1"

@@ -3,10 +3,10 @@ sizes, dtype, reduce op, transport, state, times), dumped one JSON file per
 rank when a collective fails, on a signal, or on request (ringcomm.dump_trace).
 
 [Note: flight recorder]
-    RINGCOMM_TRACE_BUFFER_SIZE=N  entries kept per group (default 64; 0: off)
+    RINGCOMM_TRACE_BUFFER_SIZE=N  entries kept per group (default 64; 0: off; at most 1000000)
     RINGCOMM_TRACE_DIR=DIR        where dumps go (default: <tmp>/ringcomm-trace-<uid>)
     RINGCOMM_TRACE_STACKS=1       record the Python stack of every call (costly)
-    RINGCOMM_TRACE_SIGNAL=USR1    dump when the process gets this signal
+    RINGCOMM_TRACE_SIGNAL=USR1    dump when the process gets this signal (not KILL, STOP or a fault signal)
 An entry is a list (cheap to make on the lean path) whose fields are ENTRY_FIELDS;
 it is written when the call is made (state queued, or started when it runs
 inline) and updated as it starts, completes or fails. Every group of a rank goes
@@ -33,10 +33,12 @@ from collections.abc import Sequence
 import torch
 
 from . import _C
+from .arguments import flag_from_env, int_from_env
 from .ops import DTYPE_CODES, OP_KINDS, ReduceOp
 from .profiling import event_name
 
 DEFAULT_BUFFER_SIZE = 64
+MAX_BUFFER_SIZE = 1_000_000  # entries per group: ~60 MB in C++ and Python, and a dump of ~300 MB
 VERSION = "ringcomm-trace-1"
 FILE_PREFIX = "ringcomm_trace_rank_"
 
@@ -51,14 +53,7 @@ _group_ids = itertools.count()
 
 def buffer_size() -> int:
     """RINGCOMM_TRACE_BUFFER_SIZE, checked."""
-    text = os.environ.get("RINGCOMM_TRACE_BUFFER_SIZE", str(DEFAULT_BUFFER_SIZE))
-    try:
-        size = int(text)
-    except ValueError:
-        raise ValueError(f"ringcomm: RINGCOMM_TRACE_BUFFER_SIZE={text!r} is not an integer") from None
-    if size < 0:
-        raise ValueError(f"ringcomm: RINGCOMM_TRACE_BUFFER_SIZE={size} must be >= 0")
-    return size
+    return int_from_env("RINGCOMM_TRACE_BUFFER_SIZE", DEFAULT_BUFFER_SIZE, 0, MAX_BUFFER_SIZE)
 
 
 def trace_dir() -> str:
@@ -92,7 +87,7 @@ class FlightRecorder:
             _C._trace_resize(handle, capacity)
         self._ring: list[list | None] = [None] * capacity
         self.rank, self.world_size, self.global_ranks, self.transport = rank, world_size, global_ranks, transport
-        self.stacks = os.environ.get("RINGCOMM_TRACE_STACKS") == "1"
+        self.stacks = flag_from_env("RINGCOMM_TRACE_STACKS", False)
         self.timeout_s = 0.0
         _recorders.add(self)
         watch_signal()
@@ -206,19 +201,44 @@ def dump(reason: str, directory: str | None = None) -> str | None:
 _watching: list[int] = []  # the signal watched, once installed
 
 
-def watch_signal() -> None:
-    """Installs RINGCOMM_TRACE_SIGNAL's dump (see [Note: dump on a signal]); from
-    the main thread only (Python's rule for signal handlers), once."""
-    name = os.environ.get("RINGCOMM_TRACE_SIGNAL", "")
-    if not name or _watching or threading.current_thread() is not threading.main_thread():
-        return
+# Signals RINGCOMM_TRACE_SIGNAL may not name, and why.
+_REFUSED_SIGNALS = {
+    signal.SIGKILL: "cannot be caught (the kernel acts on it, not the process)",
+    signal.SIGSTOP: "cannot be caught (the kernel acts on it, not the process)",
+    **{signum: "is a fault signal (a handler that returns re-runs the faulting instruction)"
+       for signum in (signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL)},
+}
+
+
+def trace_signal() -> signal.Signals | None:
+    """RINGCOMM_TRACE_SIGNAL (e.g. USR1 or SIGUSR1), checked; None when unset."""
+    name = os.environ.get("RINGCOMM_TRACE_SIGNAL", "").strip()
+    if not name:
+        return None
     try:
         signum = signal.Signals["SIG" + name.upper().removeprefix("SIG")]
     except KeyError:
         raise ValueError(f"ringcomm: RINGCOMM_TRACE_SIGNAL={name!r} is not a signal name (e.g. USR1)") from None
+    if signum in _REFUSED_SIGNALS:
+        raise ValueError(f"ringcomm: RINGCOMM_TRACE_SIGNAL={name!r} cannot trigger a dump: {signum.name} "
+                         f"{_REFUSED_SIGNALS[signum]}; use USR1 or USR2")
+    return signum
+
+
+def watch_signal() -> None:
+    """Installs RINGCOMM_TRACE_SIGNAL's dump (see [Note: dump on a signal]); from
+    the main thread only (Python's rule for signal handlers), once. The variable
+    is checked on every call, from any thread."""
+    signum = trace_signal()
+    if signum is None or _watching or threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        signal.signal(signum, lambda *_: None)
+    except OSError as err:
+        raise ValueError(f"ringcomm: RINGCOMM_TRACE_SIGNAL={signum.name}: this process cannot handle it ({err})") \
+            from None
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
-    signal.signal(signum, lambda *_: None)
     previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
     if previous != -1:
         signal.set_wakeup_fd(previous)
