@@ -4,6 +4,7 @@ overload, and C++ may try to allocate whatever it is given. Each error names
 the argument or variable, its value and what is allowed. Standard library only."""
 from __future__ import annotations
 
+import math
 import numbers
 import os
 
@@ -25,6 +26,14 @@ def check_int(where: str, name: str, value: object, low: int, high: int) -> None
         raise ValueError(f"{where}: {name}={value} is out of range: expected an int in [{low}, {high}]")
 
 
+def check_number(where: str, name: str, value: object, low: float, high: float) -> None:
+    """`value` is a real number (not a bool) in [low, high], so never NaN."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{where}: {name}={value!r} must be a number, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise ValueError(f"{where}: {name}={value} is out of range: expected a number in [{low}, {high}]")
+
+
 def int_from_env(variable: str, default: int, low: int, high: int) -> int:
     """The integer in environment variable `variable` (`default` when unset or
     empty), which must lie in [low, high]."""
@@ -37,6 +46,21 @@ def int_from_env(variable: str, default: int, low: int, high: int) -> int:
         raise ValueError(f"ringcomm: {variable}={text!r} is not an integer; expected one in [{low}, {high}]") from None
     if not low <= value <= high:
         raise ValueError(f"ringcomm: {variable}={text!r} is out of range: expected an integer in [{low}, {high}]")
+    return value
+
+
+def seconds_from_env(variable: str, default: float) -> float:
+    """The positive, finite number of seconds in environment variable `variable`
+    (`default` when unset or empty)."""
+    text = os.environ.get(variable, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"ringcomm: {variable}={text!r} is not a number of seconds") from None
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"ringcomm: {variable}={text!r} must be a finite number of seconds > 0")
     return value
 
 
