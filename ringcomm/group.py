@@ -159,8 +159,7 @@ class Group:
             return err
         names = {t.native_id: t.name for t in threading.enumerate()}
         def name(match: re.Match) -> str:
-            ident = int(match[1])
-            return f"thread {names[ident]!r}" if ident in names else match[0]
+            return f"thread {names[int(match[1])]!r}" if int(match[1]) in names else match[0]
 
         return RuntimeError(re.sub(r"thread id (\d+)", name, message))
 
@@ -272,6 +271,7 @@ def create_group(store: dist.Store, rank: int, world_size: int, *, options: Grou
     `store` (a store private to this group). A torch_dist transport rides on a
     gloo group made on `store`, owned (and shut down) by the group; a hierarchical
     one owns its gloo group (see hierarchical.py)."""
+    recorder_mod.agree_run_id(store)  # [Note: run id]
     kind = resolve_transport(store, rank, world_size, options.transport, options.timeout_s)
     pg, placement, fallback = None, None, ""
     if kind == "hierarchical":
