@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import profiling, recorder as recorder_mod
+from . import arguments, profiling, recorder as recorder_mod
 from .ops import ReduceOp
 from .transport import rendezvous
 from .transport.base import Transport
@@ -159,8 +159,7 @@ class Group:
             return err
         names = {t.native_id: t.name for t in threading.enumerate()}
         def name(match: re.Match) -> str:
-            ident = int(match[1])
-            return f"thread {names[ident]!r}" if ident in names else match[0]
+            return f"thread {names[int(match[1])]!r}" if int(match[1]) in names else match[0]
 
         return RuntimeError(re.sub(r"thread id (\d+)", name, message))
 
@@ -272,6 +271,7 @@ def create_group(store: dist.Store, rank: int, world_size: int, *, options: Grou
     `store` (a store private to this group). A torch_dist transport rides on a
     gloo group made on `store`, owned (and shut down) by the group; a hierarchical
     one owns its gloo group (see hierarchical.py)."""
+    recorder_mod.agree_run_id(store)  # [Note: run id]
     kind = resolve_transport(store, rank, world_size, options.transport, options.timeout_s)
     pg, placement, fallback = None, None, ""
     if kind == "hierarchical":
@@ -311,8 +311,8 @@ def new_group(ranks: list[int] | None = None, *, transport: str = "auto", timeou
     if not dist.is_initialized():
         raise RuntimeError("ringcomm.new_group: call torch.distributed.init_process_group first")
     timeout_s = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
-    if timeout_s <= 0:
-        raise ValueError(f"ringcomm.new_group: timeout={timeout_s} s must be > 0")
+    if not 0 < timeout_s < float("inf"):  # every wait has a bound (and NaN is no bound)
+        raise ValueError(f"ringcomm.new_group: timeout={timeout_s} s must be a finite number > 0")
     world_size = dist.get_world_size()
     members = tuple(range(world_size)) if ranks is None else tuple(sorted(set(ranks)))
     if not members or members[0] < 0 or members[-1] >= world_size or (ranks is not None and len(ranks) != len(members)):
@@ -368,7 +368,7 @@ def default_group() -> Group:
         if made_for() is world and group.state is GroupState.OPEN:
             return group
         _close_default(key, group)  # made for a destroyed world, or closed by hand
-    group = new_group(timeout=float(os.environ.get("RINGCOMM_TIMEOUT", DEFAULT_TIMEOUT_S)))
+    group = new_group(timeout=arguments.seconds_from_env("RINGCOMM_TIMEOUT", DEFAULT_TIMEOUT_S))
     _default_groups[key] = (weakref.ref(world), group, weakref.finalize(world, _close_default, key, group))
     return group
 

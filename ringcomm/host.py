@@ -6,12 +6,14 @@ from __future__ import annotations
 import os
 
 from . import _C
+from .arguments import INT64_MAX, INT64_MIN, check_int
 
 PROCESS_STATES = ("running", "stopped", "exited")  # csrc/cpu/process.h ProcessState, in order
 
 
 def process_state(pid: int) -> str:
     """"exited" (gone, or a zombie), "stopped" (SIGSTOP, or traced) or "running"."""
+    check_int("process_state", "pid", pid, INT64_MIN, INT64_MAX)  # C++ says "running" for no such pid_t
     return PROCESS_STATES[_C.process_state(pid)]
 
 

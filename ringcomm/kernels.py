@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _C, cuda_kernels
+from .arguments import INT64_MAX, check_int
 from .ops import LOW_PRECISION, ReduceOp, dtype_code
 
 
@@ -43,6 +44,7 @@ def reduce_into(dst: torch.Tensor, srcs: Sequence[torch.Tensor], op: ReduceOp, d
     the sum by `divisor`. 16-bit floats accumulate in float32 and round once.
     dst may be one of the sources."""
     code = dtype_code(dst.dtype, where="reduce_into")
+    check_int("reduce_into", "divisor", divisor, 1, INT64_MAX)
     for src in srcs:
         if src.dtype != dst.dtype or src.numel() != dst.numel() or src.device != dst.device:
             raise ValueError(

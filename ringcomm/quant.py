@@ -28,11 +28,13 @@ from typing import NamedTuple
 import torch
 
 from . import _C, cuda_quant
+from .arguments import INT64_MAX, check_int, check_int_type
 from .ops import DTYPE_CODES
 
 WEIGHT_BITS, WEIGHT_BLOCK = 8, 4096  # qwZ (DeepSpeed's CUDAQuantizer: groups below 8000, "optimal 4k")
 GRAD_BITS, GRAD_BLOCK = 4, 1024  # qgZ
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_BLOCK = 1 << 31  # elements (8 GiB of float32); a block longer than the tensor is one block
 
 
 class Quantized(NamedTuple):
@@ -45,22 +47,26 @@ class Quantized(NamedTuple):
 def packed_nbytes(numel: int, bits: int) -> int:
     """Bytes of quantized data for numel elements: numel for 8 bits, ceil(numel / 2) for 4."""
     check_format("packed_nbytes", bits=bits, block=2)
+    check_int("packed_nbytes", "numel", numel, 0, INT64_MAX)
     return numel if bits == 8 else (numel + 1) // 2
 
 
 def num_blocks(numel: int, block: int) -> int:
     """Scales for numel elements: ceil(numel / block)."""
-    if block < 1:
-        raise ValueError(f"num_blocks: {block=} must be >= 1")
+    check_int("num_blocks", "block", block, 1, MAX_BLOCK)
+    check_int("num_blocks", "numel", numel, 0, INT64_MAX)
     return -(-numel // block)
 
 
 def check_format(where: str, *, bits: int, block: int) -> None:
-    """bits is 4 or 8; block >= 1, and even for 4 bits (blocks start on a byte)."""
+    """bits is the int 4 or 8; block an int in [1, MAX_BLOCK], even for 4 bits
+    (blocks start on a byte). Here, before pybind11 or torch.empty see them."""
+    check_int_type(where, "bits", bits)
     if bits not in (4, 8):
         raise ValueError(f"{where}: {bits=}; expected 4 or 8")
-    if block < 1 or (bits == 4 and block % 2):
-        raise ValueError(f"{where}: {block=} must be >= 1, and even for 4 bits ({bits=})")
+    check_int(where, "block", block, 1, MAX_BLOCK)
+    if bits == 4 and block % 2:
+        raise ValueError(f"{where}: {block=} must be even for 4 bits ({bits=})")
 
 
 def _check_float(where: str, name: str, tensor: torch.Tensor) -> None:

@@ -3,41 +3,48 @@ sizes, dtype, reduce op, transport, state, times), dumped one JSON file per
 rank when a collective fails, on a signal, or on request (ringcomm.dump_trace).
 
 [Note: flight recorder]
-    RINGCOMM_TRACE_BUFFER_SIZE=N  entries kept per group (default 64; 0: off)
-    RINGCOMM_TRACE_DIR=DIR        where dumps go (default: <tmp>/ringcomm-trace-<uid>)
+    RINGCOMM_TRACE_BUFFER_SIZE=N  entries kept per group (default 64; 0: off; at most 1000000)
+    RINGCOMM_TRACE_DIR=DIR        where dumps go (default: <tmp>/ringcomm-trace-<uid>/<run id>)
     RINGCOMM_TRACE_STACKS=1       record the Python stack of every call (costly)
-    RINGCOMM_TRACE_SIGNAL=USR1    dump when the process gets this signal
+    RINGCOMM_TRACE_SIGNAL=USR1    dump when the process gets this signal (not KILL, STOP or a fault signal)
 An entry is a list (cheap to make on the lean path) whose fields are ENTRY_FIELDS;
 it is written when the call is made (state queued, or started when it runs
 inline) and updated as it starts, completes or fails. Every group of a rank goes
 into that rank's one file, `ringcomm_trace_rank_<global rank>.json`, rewritten at
-each dump. The entries carry torch's flight recorder field names (collective_seq_id,
-profiling_name, input_sizes, ...); torch's analyzer reads pickles only, and
-`python -m ringcomm.trace DIR` reads these files. Recorders are listed in a weak
-set so that a signal or dump_trace() reaches every live group of the process.
+each dump, with the run id ([Note: run id]). The entries carry torch's flight
+recorder field names (collective_seq_id, profiling_name, input_sizes, ...);
+torch's analyzer reads pickles only, and `python -m ringcomm.trace DIR` reads
+these files. Recorders are listed in a weak set so that a signal or dump_trace()
+reaches every live group of the process.
 """
 from __future__ import annotations
 
 import itertools
 import json
 import os
+import re
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
 import traceback
+import uuid
 import weakref
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 
 from . import _C
+from .arguments import flag_from_env, int_from_env
 from .ops import DTYPE_CODES, OP_KINDS, ReduceOp
 from .profiling import event_name
 
 DEFAULT_BUFFER_SIZE = 64
-VERSION = "ringcomm-trace-1"
+MAX_BUFFER_SIZE = 1_000_000  # entries per group: ~60 MB in C++ and Python, and a dump of ~300 MB
+VERSION = "ringcomm-trace-2"  # -1 had no run_id
 FILE_PREFIX = "ringcomm_trace_rank_"
 
 # Fields of an entry, in order.
@@ -51,18 +58,61 @@ _group_ids = itertools.count()
 
 def buffer_size() -> int:
     """RINGCOMM_TRACE_BUFFER_SIZE, checked."""
-    text = os.environ.get("RINGCOMM_TRACE_BUFFER_SIZE", str(DEFAULT_BUFFER_SIZE))
-    try:
-        size = int(text)
-    except ValueError:
-        raise ValueError(f"ringcomm: RINGCOMM_TRACE_BUFFER_SIZE={text!r} is not an integer") from None
-    if size < 0:
-        raise ValueError(f"ringcomm: RINGCOMM_TRACE_BUFFER_SIZE={size} must be >= 0")
-    return size
+    return int_from_env("RINGCOMM_TRACE_BUFFER_SIZE", DEFAULT_BUFFER_SIZE, 0, MAX_BUFFER_SIZE)
+
+
+# [Note: run id] Every dump names the run it belongs to, so that the analyzer
+# never merges the files of two runs, and the default dump folder is one per
+# user and per run. The run id is the launcher's job id (TORCHELASTIC_RUN_ID, set
+# by torchrun; its placeholder "none" does not count), else one the processes
+# agree on as they create groups: each proposes its own (the one it holds, or a
+# new random one) with compare_set on the world's store (the group's store while
+# there is no initialized world, as when torch builds the backend's world group),
+# the first proposal stays, and a process keeps the first run id it learns.
+# Agreeing needs no wait, and every process of a world holds the same run id
+# whichever of its groups it creates first.
+RUN_ID_VARIABLE = "TORCHELASTIC_RUN_ID"
+RUN_ID_KEY = "ringcomm/run_id"
+_run_ids: list[str] = []  # this process's run id, once known
+
+
+def launcher_run_id() -> str:
+    """The launcher's job id, or "" when it set none."""
+    value = os.environ.get(RUN_ID_VARIABLE, "").strip()
+    return "" if value in ("", "none") else value
+
+
+def run_id() -> str:
+    """This process's run id ([Note: run id]); a process that agreed on none
+    (its groups were not made by create_group) makes one of its own."""
+    if not _run_ids:
+        _run_ids.append(launcher_run_id() or uuid.uuid4().hex[:12])
+    return _run_ids[0]
+
+
+def agree_run_id(group_store: dist.Store) -> str:
+    """Learns the run id the processes agree on ([Note: run id]) through the
+    world's store, or `group_store` while no world is initialized; returns this
+    process's run id."""
+    if not launcher_run_id():
+        store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else group_store
+        proposal = _run_ids[0] if _run_ids else uuid.uuid4().hex[:12]
+        agreed = store.compare_set(RUN_ID_KEY, "", proposal).decode()
+        if not _run_ids:
+            _run_ids.append(agreed)
+    return run_id()
 
 
 def trace_dir() -> str:
-    return os.environ.get("RINGCOMM_TRACE_DIR") or os.path.join(tempfile.gettempdir(), f"ringcomm-trace-{os.getuid()}")
+    """Where dumps go: RINGCOMM_TRACE_DIR, else default_trace_dir()."""
+    return os.environ.get("RINGCOMM_TRACE_DIR") or default_trace_dir()
+
+
+def default_trace_dir() -> str:
+    """<tmp>/ringcomm-trace-<uid>/<run id>: runs of different users or jobs never
+    overwrite each other's dumps ([Note: run id])."""
+    folder = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id()).lstrip(".") or "run"
+    return os.path.join(tempfile.gettempdir(), f"ringcomm-trace-{os.getuid()}", folder)
 
 
 def for_group(rank: int, world_size: int, global_ranks: tuple[int, ...], transport: str, timeout_s: float,
@@ -92,7 +142,7 @@ class FlightRecorder:
             _C._trace_resize(handle, capacity)
         self._ring: list[list | None] = [None] * capacity
         self.rank, self.world_size, self.global_ranks, self.transport = rank, world_size, global_ranks, transport
-        self.stacks = os.environ.get("RINGCOMM_TRACE_STACKS") == "1"
+        self.stacks = flag_from_env("RINGCOMM_TRACE_STACKS", False)
         self.timeout_s = 0.0
         _recorders.add(self)
         watch_signal()
@@ -171,29 +221,34 @@ def _lean_entry_dict(e: tuple, transport: str) -> dict:
             "error": "", "frames": []}
 
 
-def dump(reason: str, directory: str | None = None) -> str | None:
+def dump(reason: str, directory: str | None = None, *, announce: bool = True) -> str | None:
     """Writes this rank's file with every live group's entries; returns its path
-    (None when no group records). Never raises: it runs on error paths."""
+    (None when no group records); with `announce`, says where on stderr. Never
+    raises: it runs on error paths."""
     recorders = [r for r in list(_recorders)]
     if not recorders:
         return None
     try:
-        import torch.distributed as dist
         rank = dist.get_rank() if dist.is_initialized() else recorders[0].global_ranks[recorders[0].rank]
         world_size = dist.get_world_size() if dist.is_initialized() else recorders[0].world_size
         directory = directory or trace_dir()
+        if directory == default_trace_dir():  # its parent, shared by this user's runs, private too
+            os.makedirs(os.path.dirname(directory), mode=0o700, exist_ok=True)
         os.makedirs(directory, mode=0o700, exist_ok=True)
-        payload = {"version": VERSION, "rank": rank, "world_size": world_size, "pid": os.getpid(),
-                   "hostname": socket.gethostname(), "reason": reason, "time_ns": time.time_ns(),
+        payload = {"version": VERSION, "run_id": run_id(), "rank": rank, "world_size": world_size,
+                   "pid": os.getpid(), "hostname": socket.gethostname(), "reason": reason, "time_ns": time.time_ns(),
                    "groups": [r.snapshot() for r in sorted(recorders, key=lambda r: r.group_id)]}
         path = os.path.join(directory, f"{FILE_PREFIX}{rank}.json")
         scratch = f"{path}.{os.getpid()}.tmp"
         with open(scratch, "w") as out:
             json.dump(payload, out, indent=1)
         os.replace(scratch, path)
+        if announce:
+            print(f"ringcomm: rank {rank} wrote its flight recorder to {path} (python -m ringcomm.trace "
+                  f"{directory})", file=sys.stderr, flush=True)
         return path
     except Exception as err:  # a dump must not hide the failure that caused it
-        print(f"ringcomm: flight recorder dump failed: {err!r}", flush=True)
+        print(f"ringcomm: flight recorder dump failed: {err!r}", file=sys.stderr, flush=True)
         return None
 
 
@@ -206,19 +261,44 @@ def dump(reason: str, directory: str | None = None) -> str | None:
 _watching: list[int] = []  # the signal watched, once installed
 
 
-def watch_signal() -> None:
-    """Installs RINGCOMM_TRACE_SIGNAL's dump (see [Note: dump on a signal]); from
-    the main thread only (Python's rule for signal handlers), once."""
-    name = os.environ.get("RINGCOMM_TRACE_SIGNAL", "")
-    if not name or _watching or threading.current_thread() is not threading.main_thread():
-        return
+# Signals RINGCOMM_TRACE_SIGNAL may not name, and why.
+_REFUSED_SIGNALS = {
+    signal.SIGKILL: "cannot be caught (the kernel acts on it, not the process)",
+    signal.SIGSTOP: "cannot be caught (the kernel acts on it, not the process)",
+    **{signum: "is a fault signal (a handler that returns re-runs the faulting instruction)"
+       for signum in (signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL)},
+}
+
+
+def trace_signal() -> signal.Signals | None:
+    """RINGCOMM_TRACE_SIGNAL (e.g. USR1 or SIGUSR1), checked; None when unset."""
+    name = os.environ.get("RINGCOMM_TRACE_SIGNAL", "").strip()
+    if not name:
+        return None
     try:
         signum = signal.Signals["SIG" + name.upper().removeprefix("SIG")]
     except KeyError:
         raise ValueError(f"ringcomm: RINGCOMM_TRACE_SIGNAL={name!r} is not a signal name (e.g. USR1)") from None
+    if signum in _REFUSED_SIGNALS:
+        raise ValueError(f"ringcomm: RINGCOMM_TRACE_SIGNAL={name!r} cannot trigger a dump: {signum.name} "
+                         f"{_REFUSED_SIGNALS[signum]}; use USR1 or USR2")
+    return signum
+
+
+def watch_signal() -> None:
+    """Installs RINGCOMM_TRACE_SIGNAL's dump (see [Note: dump on a signal]); from
+    the main thread only (Python's rule for signal handlers), once. The variable
+    is checked on every call, from any thread."""
+    signum = trace_signal()
+    if signum is None or _watching or threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        signal.signal(signum, lambda *_: None)
+    except OSError as err:
+        raise ValueError(f"ringcomm: RINGCOMM_TRACE_SIGNAL={signum.name}: this process cannot handle it ({err})") \
+            from None
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
-    signal.signal(signum, lambda *_: None)
     previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
     if previous != -1:
         signal.set_wakeup_fd(previous)
@@ -238,4 +318,4 @@ def _watch(read_fd: int, signum: signal.Signals) -> None:
 def dump_trace(directory: str | None = None) -> str | None:
     """Writes this rank's flight recorder file now (RINGCOMM_TRACE_DIR, or
     `directory`); returns its path, None when no group records."""
-    return dump("ringcomm.dump_trace()", directory)
+    return dump("ringcomm.dump_trace()", directory, announce=False)

@@ -2,18 +2,23 @@
 where the ranks disagree: the last sequence number each rank completed, the
 ranks behind (or without a dump), and calls that differ at one sequence number.
 
-    python -m ringcomm.trace DIR      # DIR: RINGCOMM_TRACE_DIR of the job
+    python -m ringcomm.trace DIR [--run RUN_ID]
+    # DIR: RINGCOMM_TRACE_DIR of the job, else <tmp>/ringcomm-trace-<uid>/<run id>
+
+A file that is not a readable dump is named with the reason and left out; the
+others are analyzed. Dumps of different runs ([Note: run id]) are never merged:
+the analyzer lists the runs and their files, and --run picks one. Exit status:
+0 analyzed, 1 no readable dump, 2 several runs (or an unknown --run).
 """
 from __future__ import annotations
 
 import argparse
-import glob
-import json
 import os
 import sys
 from dataclasses import dataclass, field
 
 from .recorder import FILE_PREFIX
+from .trace_dumps import NO_RUN_ID, MixedRunsError, Unreadable, load, scan  # load: for callers of trace.load
 
 # Names of one call on its two paths (lean and the backend's checked one).
 _SAME_OP = {"ringcomm:all_gather_into_tensor": "ringcomm:all_gather",
@@ -46,18 +51,6 @@ class GroupReport:
     behind: list[int] = field(default_factory=list)
     missing: list[int] = field(default_factory=list)               # ranks of the group without a dump
     mismatches: list[str] = field(default_factory=list)
-
-
-def load(directory: str) -> dict[int, dict]:
-    """Global rank -> its dump."""
-    dumps = {}
-    for path in sorted(glob.glob(os.path.join(directory, f"{FILE_PREFIX}*.json"))):
-        with open(path) as src:
-            dump = json.load(src)
-        dumps[dump["rank"]] = dump
-    if not dumps:
-        raise FileNotFoundError(f"ringcomm.trace: no {FILE_PREFIX}*.json files in {directory}")
-    return dumps
 
 
 def _call(entry: dict) -> Call:
@@ -101,8 +94,14 @@ def _analyze_group(group_id: int, parts: dict[int, dict]) -> GroupReport:
     return report
 
 
-def render(directory: str, dumps: dict[int, dict], reports: list[GroupReport]) -> str:
-    lines = [f"ringcomm trace {directory}: dumps from ranks {', '.join(map(str, sorted(dumps)))}"]
+def render(directory: str, dumps: dict[int, dict], reports: list[GroupReport], *, run_id: str = NO_RUN_ID,
+           unreadable: list[Unreadable] = ()) -> str:
+    lines = [f"ringcomm trace {directory}: run {run_id}, dumps from ranks {', '.join(map(str, sorted(dumps)))}"]
+    if unreadable:
+        lines.append(f"  {len(unreadable)} file{'s' * (len(unreadable) > 1)} left out, the analysis below is of the "
+                     f"other dumps:")
+        lines += [f"  left out {path}: {reason}" for path, reason in unreadable]
+    unreadable_ranks = {_rank_of_file(path) for path, _ in unreadable}
     for rank, dump in sorted(dumps.items()):
         lines.append(f"  rank {rank} (pid {dump['pid']} on {dump['hostname']}): {dump['reason']}")
     for report in reports:
@@ -113,7 +112,9 @@ def render(directory: str, dumps: dict[int, dict], reports: list[GroupReport]) -
             for text in pending:
                 lines.append(f"  rank {rank}: {text}")
         for rank in report.missing:
-            lines.append(f"  rank {rank}: no dump (stopped, stuck outside ringcomm, or dead)")
+            why = "its file was left out (above)" if rank in unreadable_ranks else \
+                "no dump (stopped, stuck outside ringcomm, or dead)"
+            lines.append(f"  rank {rank}: {why}")
         if report.behind:
             lines.append(f"  behind: rank{'s' * (len(report.behind) > 1)} {', '.join(map(str, report.behind))}")
         for mismatch in report.mismatches:
@@ -123,12 +124,29 @@ def render(directory: str, dumps: dict[int, dict], reports: list[GroupReport]) -
     return "\n".join(lines)
 
 
+def _rank_of_file(path: str) -> int | None:
+    """The rank in a dump's file name (ringcomm_trace_rank_<rank>.json), if any."""
+    digits = os.path.basename(path).removeprefix(FILE_PREFIX).removesuffix(".json")
+    return int(digits) if digits.isdigit() else None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ringcomm.trace", description=__doc__.split("\n\n")[0])
-    parser.add_argument("directory", help="the folder of the ranks' dumps (RINGCOMM_TRACE_DIR)")
+    parser.add_argument("directory", help="the folder of the ranks' dumps (RINGCOMM_TRACE_DIR, else "
+                                          "<tmp>/ringcomm-trace-<uid>/<run id>)")
+    parser.add_argument("--run", metavar="RUN_ID", help="analyze this run's dumps when the folder holds several runs")
     args = parser.parse_args(argv)
-    dumps = load(args.directory)
-    print(render(args.directory, dumps, analyze(dumps)))
+    try:
+        folder = scan(args.directory)
+        dumps = folder.select(args.run)
+    except MixedRunsError as err:
+        print(err, file=sys.stderr)
+        return 2
+    except OSError as err:  # no folder, or nothing readable in it
+        print(err, file=sys.stderr)
+        return 1
+    run_id = args.run or next(iter(folder.runs))
+    print(render(args.directory, dumps, analyze(dumps), run_id=run_id, unreadable=folder.unreadable))
     return 0
 
 

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -160,3 +161,80 @@ def test_the_recorder_keeps_the_last_n_calls(tmp_path, buffer_size) -> None:
                            (6, "ringcomm:all_reduce", [[3]], ["float32"], "SUM", "completed"),
                            (7, "ringcomm:reduce_scatter", [[4]], ["float64"], "SUM", "completed")], \
             f"rank {rank}: {entries}"
+
+
+# ---- the analyzer's input: runs kept apart, damaged files named ([Note: run id]) ----
+def dumping_worker(rank: int, world_size: int, directory: str, dumping: tuple[int, ...]) -> dict:
+    """Two all_reduces, then the ranks in `dumping` dump into `directory` and into
+    the default folder under `directory`/tmp."""
+    group = ringcomm.new_group()
+    for _ in range(2):
+        ringcomm.all_reduce(torch.ones(4), group=group)
+    seen = {}
+    if rank in dumping:
+        tempfile.tempdir = os.path.join(directory, "tmp")  # the default folder's parent, here
+        seen["default"] = ringcomm.dump_trace()
+        seen["path"] = ringcomm.dump_trace(directory)
+        with open(seen["path"]) as src:
+            seen["run_id"] = json.load(src).get("run_id")
+    group.close()
+    return seen
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory) -> dict:
+    """Run A (2 ranks, a run id they agree on) dumps ranks 0 and 1; run B (torchrun's
+    job id "job-b") then dumps rank 1 over A's file in the same folder."""
+    directory = str(tmp_path_factory.mktemp("two_runs"))
+    run_a = run_ranks(dumping_worker, 2, directory, (0, 1), timeout=60, env={"TORCHELASTIC_RUN_ID": "none"})
+    run_b = run_ranks(dumping_worker, 2, directory, (1,), timeout=60, env={"TORCHELASTIC_RUN_ID": "job-b"})
+    return {"directory": directory, "a": run_a, "b": run_b}
+
+
+def analyzer(capsys, *args: str) -> tuple[int, str, str]:
+    """`python -m ringcomm.trace ARGS`, in this process: (exit status, stdout, stderr)."""
+    status = trace.main(list(args))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_dumps_of_two_runs_are_not_merged(two_runs, capsys) -> None:
+    directory, run_a, run_b = two_runs["directory"], two_runs["a"], two_runs["b"]
+    run_id = run_a[0]["run_id"]
+    assert run_a[1]["run_id"] == run_id and run_id not in (None, "", "none", "job-b"), run_a
+    assert run_b[1]["run_id"] == "job-b", run_b
+    uid = os.getuid()
+    assert run_a[0]["default"] == os.path.join(directory, "tmp", f"ringcomm-trace-{uid}", run_id,
+                                               "ringcomm_trace_rank_0.json"), run_a
+    assert run_b[1]["default"] == os.path.join(directory, "tmp", f"ringcomm-trace-{uid}", "job-b",
+                                               "ringcomm_trace_rank_1.json"), run_b
+    status, _, err = analyzer(capsys, directory)
+    assert status == 2 and "2 runs, which are never merged" in err, (status, err)
+    assert f"run {run_id} (rank 0; " in err and f"): {run_a[0]['path']}\n" in err, err
+    assert "run job-b (rank 1; " in err and err.rstrip().endswith(run_b[1]["path"]), err
+    with pytest.raises(trace.MixedRunsError, match="--run"):
+        trace.load(directory)
+    status, out, _ = analyzer(capsys, directory, "--run", "job-b")
+    assert status == 0 and "run job-b, dumps from ranks 1\n" in out, (status, out)
+    assert analyzer(capsys, directory, "--run", "job-c")[0] == 2
+
+
+def test_damaged_dumps_are_named_and_the_others_analyzed(two_runs, tmp_path, capsys) -> None:
+    with open(two_runs["a"][0]["path"]) as src:
+        good = src.read()
+    damaged = {1: good[:len(good) // 2].encode(), 2: b"\xff\xd8\xff\xe0 a picture",
+               3: json.dumps({**json.loads(good), "groups": [{"group_id": 0}]}).encode()}
+    paths = {rank: tmp_path / f"ringcomm_trace_rank_{rank}.json" for rank in range(4)}
+    for rank, data in damaged.items():
+        paths[rank].write_bytes(data)
+    status, _, err = analyzer(capsys, str(tmp_path))  # nothing readable yet
+    assert status == 1 and "none of the 3 dumps" in err and str(paths[3]) in err, (status, err)
+    paths[0].write_text(good)
+    status, out, _ = analyzer(capsys, str(tmp_path))
+    assert status == 0, (status, out)
+    reasons = {1: "not valid JSON, truncated or not a dump", 2: "not text, so not a dump",
+               3: "JSON of another shape than a flight recorder dump: groups[0] has no 'global_ranks'"}
+    for rank, reason in reasons.items():
+        assert f"left out {paths[rank]}: {reason}" in out, (rank, out)
+    assert "3 files left out, the analysis below is of the other dumps" in out, out
+    assert "dumps from ranks 0\n" in out and "rank 1: its file was left out" in out, out

@@ -187,6 +187,31 @@ def test_errors():
         quant.dequantize_sum(data.view(2, 5), scales.view(1, 3), out, bits=8, block=4)
 
 
+@pytest.mark.parametrize("bits,block,error,text", [
+    (8, 3.0, TypeError, "block=3.0 must be an int, got float"),
+    (8.0, 4, TypeError, "bits=8.0 must be an int, got float"),
+    (8, True, TypeError, "block=True must be an int, got bool"),  # was taken as block=1
+    (True, 4, TypeError, "bits=True must be an int, got bool"),
+    (8, 2**63, ValueError, r"block=9223372036854775808 is out of range: expected an int in \[1, 2147483648\]"),
+])
+def test_bits_and_block_are_checked_before_cpp(bits, block, error, text):
+    """Checked in Python, naming the argument, before torch.empty or pybind11 see them."""
+    x, out = torch.randn(10), torch.empty(10)
+    data, scales = quant.quantize(x, bits=8, block=4)
+    calls = {"quantize": lambda: quant.quantize(x, bits=bits, block=block),
+             "quantize_into": lambda: quant.quantize_into(x, data, scales, bits=bits, block=block),
+             "dequantize": lambda: quant.dequantize(data, scales, out, bits=bits, block=block),
+             "dequantize_sum": lambda: quant.dequantize_sum(data.view(1, -1), scales.view(1, -1), out, bits=bits,
+                                                            block=block)}
+    for name, call in calls.items():
+        with pytest.raises(error, match=rf"^{name} \(.*\): {text}"):
+            call()
+    with pytest.raises(TypeError, match="num_blocks: block=2.5 must be an int"):
+        quant.num_blocks(10, 2.5)
+    with pytest.raises(TypeError, match="packed_nbytes: numel=10.0 must be an int"):
+        quant.packed_nbytes(10.0, 8)
+
+
 def test_cpp_checks_its_arguments():
     from ringcomm import _C
 

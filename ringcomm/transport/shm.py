@@ -9,7 +9,6 @@ the host (see [Note: shm names] in shm_names.py).
 """
 from __future__ import annotations
 
-import os
 import time
 import warnings
 import weakref
@@ -19,10 +18,14 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
+from ..arguments import INT64_MAX, check_int, check_number, flag_from_env
 from ..host import usable_cores
 from ..ops import DTYPE_CODES_BY_ID, ReduceOp
 from . import rendezvous
 from .shm_names import expiry_of, new_name, remove_stale_segments
+
+
+MAX_NBYTES = 1 << 40  # of a slot or a one-shot message: world_size * num_slots * slot_nbytes fits int64
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +43,17 @@ class ShmOptions:
     cma: bool = True
     cma_min_nbytes: int = 64 << 10  # all_gather, broadcast
     cma_reduce_min_nbytes: int = 2 << 20  # all_reduce, reduce_scatter
+
+    def __post_init__(self) -> None:
+        """Types and bounds, here rather than as pybind11's dump of ShmComm's
+        overloads at new_group; the C++ checks what depends on world_size."""
+        for name, low, high in (("slot_nbytes", 64, MAX_NBYTES), ("num_slots", 2, 1024),
+                                ("oneshot_max_nbytes", 0, MAX_NBYTES), ("cma_min_nbytes", 0, INT64_MAX),
+                                ("cma_reduce_min_nbytes", 0, INT64_MAX)):
+            check_int("ShmOptions", name, getattr(self, name), low, high)
+        check_number("ShmOptions", "spin_us", self.spin_us, 0.0, 1e6)
+        if not isinstance(self.cma, bool):
+            raise TypeError(f"ShmOptions: cma={self.cma!r} must be a bool")
 
 
 class ShmTransport:
@@ -60,6 +74,7 @@ class ShmTransport:
         """Collective over the group's ranks: rendezvous through `store`. Every rank
         that learned the segment's name unlinks it when its set-up ends, however
         it ends ([Note: shm names] in shm_names.py)."""
+        cma = options.cma and flag_from_env("RINGCOMM_CMA", True)  # a bad value fails before any wait
         cores = usable_cores()
         spin = int(options.spin_us * 1000) if world_size <= cores else 0
         args = (rank, world_size, options.slot_nbytes, options.num_slots, options.oneshot_max_nbytes, spin)
@@ -85,7 +100,7 @@ class ShmTransport:
         finally:
             _C.ShmComm.unlink(name)
         transport = cls(comm, store, timeout_s)
-        transport._single_copy = _setup_single_copy(comm, options, timeout_s)
+        transport._single_copy = _setup_single_copy(comm, options, cma, timeout_s)
         return transport
 
     def describe(self) -> str:
@@ -192,10 +207,11 @@ def _check_name(name: str, rank: int, peer: int) -> None:
         raise RuntimeError(f"shm: rank {rank}: rank {peer} announced segment name {name!r}, which ringcomm does not make")
 
 
-def _setup_single_copy(comm: _C.ShmComm, options: ShmOptions, timeout_s: float) -> str:
-    """Collective: turns on cross-memory attach when every rank can use it (the
-    ranks agree); says which copy plain tensors get, and why."""
-    if not options.cma or os.environ.get("RINGCOMM_CMA", "1") == "0":
+def _setup_single_copy(comm: _C.ShmComm, options: ShmOptions, cma: bool, timeout_s: float) -> str:
+    """Collective: turns on cross-memory attach when `cma` (options.cma and
+    RINGCOMM_CMA) and every rank can use it (the ranks agree); says which copy
+    plain tensors get, and why."""
+    if not cma:
         return "staged (CMA off: ShmOptions.cma=False or RINGCOMM_CMA=0)"
     try:
         reason = comm.setup_cma(timeout_s)

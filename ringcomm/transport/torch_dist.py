@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .. import ring, schedule
+from ..arguments import INT64_MAX, check_int
 from ..host import process_state
 from ..ops import OP_KINDS, ReduceOp, dtype_code
 from .lifecycle import CallGate
@@ -28,6 +29,11 @@ SKIP = -1  # compare= of a pipelined call's later pieces
 class TorchDistOptions:
     segment_nbytes: int = 4 << 20
     check_calls: bool = True  # compare op, dtype and sizes across ranks before each collective
+
+    def __post_init__(self) -> None:
+        check_int("TorchDistOptions", "segment_nbytes", self.segment_nbytes, 1, INT64_MAX)
+        if not isinstance(self.check_calls, bool):
+            raise TypeError(f"TorchDistOptions: check_calls={self.check_calls!r} must be a bool")
 
 
 class _PendingTransfer:
