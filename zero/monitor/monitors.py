@@ -111,4 +111,13 @@ def make_monitors(config: MonitoringConfig, rank: int) -> list[Monitor]:
     if rank != 0:
         return []
     kinds = ((config.csv_monitor, CsvMonitor), (config.tensorboard, TensorBoardMonitor), (config.wandb, WandbMonitor))
-    return [kind(options) for options, kind in kinds if options.enabled]
+    made: list[Monitor] = []
+    try:
+        for options, kind in kinds:
+            if options.enabled:
+                made.append(kind(options))
+    except BaseException:  # one failed: close those made before it (tensorboard's writer thread)
+        for monitor in made:
+            monitor.close()
+        raise
+    return made
