@@ -3,13 +3,16 @@ on DeepSpeed and on zero with comms_logger, csv_monitor, tensorboard,
 steps_per_print and wall_clock_breakdown on. Both log the same ops in
 log_summary(); the monitors' files and tags are DeepSpeed's and hold the
 training loss and lr of every step (read back, TensorBoard through its own
-event reader)."""
+event reader). A monitor or flight recorder that cannot write is the same
+ValueError at zero.initialize on every rank, naming the key and the path."""
 from __future__ import annotations
 
 import contextlib
 import csv
 import io
 import os
+import re
+import time
 
 import pytest
 from harness import run_ranks
@@ -169,3 +172,69 @@ def missing_tensorboard_worker(rank: int, world_size: int) -> str:
 def test_tensorboard_configured_but_missing_is_a_clear_error() -> None:
     for rank, message in enumerate(run_ranks(missing_tensorboard_worker, 2, timeout=60)):
         assert "tensorboard.enabled needs the tensorboard package" in message, f"rank {rank}: {message}"
+
+
+UNWRITABLE_S = 10.0  # an error comes at once; a rank left waiting for another would wait the agreement's 600 s
+
+
+def unwritable_cases(root: str) -> list[tuple[str, dict, dict, str, str]]:
+    """(case, config sections, environment, the key named, the path named): paths
+    that root cannot write either (the tests run as root, whom chmod does not stop)."""
+    under_file = os.path.join(root, "a-file", "logs")  # root/a-file is a regular file
+    return [
+        ("csv under a file", {"csv_monitor": {"enabled": True, "output_path": under_file}}, {},
+         "csv_monitor.output_path", under_file),
+        ("csv in /proc/self", {"csv_monitor": {"enabled": True, "output_path": "/proc", "job_name": "self"}}, {},
+         "csv_monitor.output_path", "/proc/self"),
+        ("tensorboard in /sys", {"tensorboard": {"enabled": True, "output_path": "/sys/zero-monitor-test"}}, {},
+         "tensorboard.output_path", "/sys/zero-monitor-test"),
+        ("flight recorder under a file", {}, {"RINGCOMM_TRACE_DIR": under_file}, "RINGCOMM_TRACE_DIR", under_file),
+    ]
+
+
+def unwritable_worker(rank: int, world_size: int, root: str) -> list[str]:
+    """Each case's zero.initialize: a ValueError on this rank, soon; returns the messages."""
+    import warnings
+
+    from zero_reference import engine_config, make_model
+
+    import zero
+
+    messages = []
+    for case, sections, env, key, path in unwritable_cases(root):
+        os.environ.update(env)
+        start = time.monotonic()
+        try:
+            with warnings.catch_warnings(), pytest.raises(ValueError) as caught:
+                warnings.simplefilter("ignore")
+                zero.initialize(model=make_model("mlp"), config=dict(engine_config(1, "fp32", 1, world_size), **sections))
+        finally:
+            for name in env:
+                del os.environ[name]
+        message, elapsed = str(caught.value), time.monotonic() - start
+        assert key in message and path in message and elapsed < UNWRITABLE_S, \
+            f"rank {rank} {case}: {elapsed:.1f} s: {message}"
+        messages.append(message)
+    return messages
+
+
+def test_unwritable_outputs_fail_initialize_on_every_rank(tmp_path) -> None:
+    with open(tmp_path / "a-file", "w") as f:
+        f.write("not a folder")
+    results = run_ranks(unwritable_worker, 2, str(tmp_path), timeout=60)
+    denied = ("Operation not permitted", "Read-only file system", "Permission denied")  # /sys, as mounted here
+    reasons = [("Not a directory",), ("No such file or directory",), denied, ("Not a directory",)]
+    for (case, *_), reason, messages in zip(unwritable_cases(str(tmp_path)), reasons, zip(*results), strict=True):
+        assert messages[0] == messages[1] and any(r in messages[0] for r in reason), f"{case}: {messages}"
+
+
+def test_logging_options_are_checked() -> None:
+    from zero.monitor.config import parse
+
+    for raw, named in (({"csv_monitor": {"output_path": 3}}, "csv_monitor.output_path"),
+                       ({"tensorboard": {"job_name": None}}, "tensorboard.job_name"),
+                       ({"wandb": {"project": ["p"]}}, "wandb.project"),
+                       ({"wandb": {"team": 1}}, "wandb.team"),
+                       ({"comms_logger": {"prof_ops": ["all_reduce", 3]}}, "comms_logger.prof_ops")):
+        with pytest.raises(ValueError, match=re.escape(named)):
+            parse(raw)

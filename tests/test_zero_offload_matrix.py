@@ -90,7 +90,8 @@ def run(rank: int, world_size: int, root: str, case: tuple[int, str, str], init:
         assert torch.equal(a, b), f"{name}: parameter {i}: one step after load_checkpoint != without the reload"
     assert out["resumed_losses"] == out["losses"][2:], f"{name}: {out['resumed_losses']} != {out['losses'][2:]}"
     if rank == 0:
-        out["fp32"] = torch.load(to_fp32.convert(save_dir, os.path.join(save_dir, "fp32.bin")))
+        # beside the save_dir (never inside its source); a combination runs twice (init or not): overwrite
+        out["fp32"] = torch.load(to_fp32.convert(save_dir, save_dir + "-fp32.bin", overwrite=True))
         for i, key in enumerate(engine.parts.param_names):
             assert torch.equal(out["fp32"][key], out["masters"][i]), f"{name}: to_fp32 {key} != the saved master"
         out["bit16"] = torch.load(os.path.join(save_dir, "model16.bin"))

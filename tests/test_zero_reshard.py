@@ -1,10 +1,17 @@
 """Checkpoints beyond the saving world size: a 2-rank checkpoint resumes on 1, 3
 and 4 ranks at every stage and trains like plain torch continuing from the same
 state with the new global batch; zero.to_fp32 consolidates it into a
-state_dict that loads strictly into the plain model."""
+state_dict that loads strictly into the plain model. The converters
+(to_fp32, to_deepspeed) never write into their checkpoint, nor over a
+non-empty output unless asked, and a failed conversion leaves no output."""
 from __future__ import annotations
 
+import errno
+import hashlib
+import importlib.util
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -19,7 +26,7 @@ from harness import run_ranks
 from zero_reference import CLIP, LR, MICRO, engine_config, loss_fn, make_batch, make_model
 
 import zero
-from zero.checkpoint import load as checkpoint_load, to_fp32
+from zero.checkpoint import load as checkpoint_load, to_deepspeed, to_fp32
 
 KIND, SAVED_WORLD, SAVED_STEPS, MORE_STEPS = "tied", 2, 2, 3
 STAGES = (0, 1, 2, 3)
@@ -208,3 +215,123 @@ def keywords_worker(rank: int, world_size: int, directory: str, params: dict) ->
 def test_load_keywords(saved) -> None:
     directory, params = saved
     run_ranks(keywords_worker, 1, directory, params, timeout=120)
+
+
+# ---- the converters' outputs ([Note: a converter's output] in zero/checkpoint/output.py) ----------
+CONVERTERS = {"to_fp32": to_fp32, "to_deepspeed": to_deepspeed}
+
+
+def tree_digest(root: str) -> dict[str, str]:
+    """Every file under `root` by relative path, with the sha256 of its bytes."""
+    out = {}
+    for folder, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(folder, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+@pytest.fixture
+def source(saved, tmp_path) -> str:
+    """A copy of the stage-1 save_dir, for the converters to be tried on."""
+    directory, _ = saved
+    return shutil.copytree(os.path.join(directory, "stage1"), str(tmp_path / "save"))
+
+
+def test_converters_refuse_their_source(source, tmp_path) -> None:
+    """An output that is the checkpoint, inside it or around it, by any path (a
+    link included), is a ValueError naming both paths (on the command line a
+    one-line error and a non-zero exit), and the checkpoint stays byte for byte."""
+    checkpoint = os.path.join(source, "global_step2")
+    link = str(tmp_path / "link")
+    os.symlink(source, link)
+    before = tree_digest(source)
+    cases = [(source, source, "is"), (source, os.path.join(source, "converted"), "is inside"),
+             (checkpoint, os.path.join(checkpoint, "fp32.pt"), "is inside"), (source, str(tmp_path), "contains"),
+             (checkpoint, source, "contains"), (source, link, "is"), (source, os.path.join(link, "out"), "is inside"),
+             (link, source, "is")]
+    for name, converter in CONVERTERS.items():
+        for src, dst, how in cases:
+            case = f"{name} {src} -> {dst}"
+            with pytest.raises(ValueError) as caught:
+                converter.convert(src, dst)
+            message = str(caught.value)
+            assert f"the output {dst}" in message and f"{how} the checkpoint" in message and src in message, \
+                f"{case}: {message}"
+            assert tree_digest(source) == before, f"{case}: the checkpoint changed"
+        with pytest.raises(SystemExit) as exited:
+            converter.main([source, source])
+        message = exited.value.code
+        assert isinstance(message, str) and "\n" not in message and message.count(source) >= 2, f"{name}: {message!r}"
+        assert tree_digest(source) == before, f"{name} {source} {source} on the command line: the checkpoint changed"
+    state = torch.load(to_fp32.convert(source, str(tmp_path / "after.pt")))
+    assert "blocks.0.fc1.weight" in state, sorted(state)
+
+
+def refused_unless_overwrite(convert, output: str) -> None:
+    """convert(overwrite=False) is refused and leaves `output` (a file or a folder) as it was."""
+    before = tree_digest(output) if os.path.isdir(output) else open(output).read()
+    with pytest.raises(ValueError, match=re.escape(f"the output {output} is not empty") + ".*--overwrite"):
+        convert(overwrite=False)
+    after = tree_digest(output) if os.path.isdir(output) else open(output).read()
+    assert after == before, f"{output}: {before} -> {after}"
+
+
+def test_to_fp32_writes_over_an_output_only_when_asked(source, tmp_path, monkeypatch) -> None:
+    """A non-empty file: refused, then replaced with overwrite=True; a folder
+    (DeepSpeed's output_dir) receives pytorch_model.bin; a write that fails
+    leaves the old output, no temporary file and no folder it made."""
+    out = str(tmp_path / "model.pt")
+    with open(out, "w") as f:
+        f.write("kept")
+    refused_unless_overwrite(lambda **kw: to_fp32.convert(source, out, **kw), out)
+    assert torch.load(to_fp32.convert(source, out, overwrite=True)).keys() == make_model(KIND).state_dict().keys()
+    folder = str(tmp_path / "hf")
+    os.makedirs(folder)
+    written = to_fp32.convert(source, folder)
+    assert written == os.path.join(folder, "pytorch_model.bin") and os.path.getsize(written) > 0, written
+    assert to_fp32.convert(source, os.path.join(str(tmp_path), "new", ""), fmt="safetensors").endswith(
+        os.path.join("new", "model.safetensors"))
+
+    def full_disk(path, *args, **kwargs):
+        with open(path, "wb") as f:
+            f.write(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(to_fp32, "write_torch", full_disk)
+    listed = sorted(os.listdir(tmp_path))
+    with open(out, "w") as f:
+        f.write("kept")
+    for target in (out, os.path.join(str(tmp_path), "made", "deeper", "")):
+        with pytest.raises(OSError, match="No space left"):
+            to_fp32.convert(source, target, overwrite=True)
+        assert sorted(os.listdir(tmp_path)) == listed, f"{target}: {sorted(os.listdir(tmp_path))} != {listed}"
+    assert open(out).read() == "kept", "a failed write replaced the old output"
+
+
+def test_to_deepspeed_writes_into_a_folder_only_when_asked(source, tmp_path, monkeypatch) -> None:
+    """A non-empty OUT: refused, then written into with overwrite=True (its other
+    files kept); a conversion that fails leaves no OUT it made."""
+    out = str(tmp_path / "ds")
+    os.makedirs(out)
+    with open(os.path.join(out, "notes.txt"), "w") as f:
+        f.write("kept")
+    refused_unless_overwrite(lambda **kw: to_deepspeed.convert(source, out, **kw), out)
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed not installed: the rest writes DeepSpeed's classes")
+    assert to_deepspeed.convert(source, out, overwrite=True) == os.path.join(out, "global_step2")
+    assert sorted(os.listdir(out)) == ["global_step2", "latest", "notes.txt", "zero_to_fp32.py"], os.listdir(out)
+    assert to_deepspeed.convert(source, out, overwrite=True) == os.path.join(out, "global_step2"), "a second time"
+    assert sorted(os.listdir(out)) == ["global_step2", "latest", "notes.txt", "zero_to_fp32.py"], os.listdir(out)
+
+    def fails(source, partial, classes):
+        with open(os.path.join(partial, "half.pt"), "wb") as f:
+            f.write(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(to_deepspeed, "write_all", fails)
+    with pytest.raises(OSError, match="No space left"):
+        to_deepspeed.convert(source, str(tmp_path / "new" / "ds"))
+    assert not os.path.exists(tmp_path / "new"), os.listdir(tmp_path / "new")
+    with pytest.raises(OSError, match="No space left"):
+        to_deepspeed.convert(source, out, overwrite=True)
+    assert sorted(os.listdir(out)) == ["global_step2", "latest", "notes.txt", "zero_to_fp32.py"], os.listdir(out)

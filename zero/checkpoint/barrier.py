@@ -2,7 +2,8 @@
 store counts the ranks in, and a rank that waited too long names the ranks
 that did not arrive (checkpoint save and load wait on it). store_agree is the
 same barrier carrying each rank's error, so that every rank learns whether
-all of them succeeded.
+all of them succeeded, and failure() is the error every rank then raises
+(checkpoint save, and the logging set-up at zero.initialize).
 
 [Note: store barrier]
 Every rank counts its own barriers in the store (key count/rank{r}): ranks
@@ -54,3 +55,13 @@ def store_agree(what: str, timeout_s: float, error: str | None) -> list[tuple[in
                            f"{world_size} did not arrive (failed, hung or gone)") from None
     errors = [(r, store.get(f"{key}/error{r}").decode()) for r in range(world_size)]
     return [(r, message[1:]) for r, message in errors if message.startswith("!")]
+
+
+def failure(what: str, failures: list[tuple[int, str]]) -> Exception:
+    """The error every rank raises when store_agree returned `failures` (each
+    "Type: message"): the same message on every rank, naming each failed rank
+    and its error; a ValueError when every failure was one (the caller's data
+    or config), else a RuntimeError."""
+    kind = ValueError if all(message.startswith("ValueError:") for _, message in failures) else RuntimeError
+    return kind(f"{what}: failed on rank(s) {[r for r, _ in failures]}: " +
+                "; ".join(f"rank {r}: {message}" for r, message in failures))

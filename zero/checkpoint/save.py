@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from .barrier import store_agree
+from .barrier import failure, store_agree
 from .format import ENGINE_STATE, FORMAT, MANIFEST, MODEL_STATES, NamedShard, manifest_entry, shard_file
 from .tensorfile import SafetensorsReader, TensorSpec, fsync_dir, write_safetensors
 
@@ -179,9 +179,7 @@ def agree(what: str, rank: int, failed: tuple[str | None, BaseException | None],
     if failures:
         if rank == 0 and partial is not None:
             shutil.rmtree(partial, ignore_errors=True)
-        kind = ValueError if all(m.startswith("ValueError:") for _, m in failures) else RuntimeError
-        raise kind(f"{what}: failed on rank(s) {[r for r, _ in failures]}: " +
-                   "; ".join(f"rank {r}: {m}" for r, m in failures)) from error
+        raise failure(what, failures) from error
 
 
 def plain_bytes(state: dict) -> bytes:

@@ -3,11 +3,13 @@ the world size and ZeRO stage it was saved with, so that DeepSpeed's
 load_checkpoint continues the training and its zero_to_fp32.py (written
 beside, as DeepSpeed does) consolidates the weights:
 
-    python -m zero.to_deepspeed ZERO_CKPT OUT [--tag TAG]
+    python -m zero.to_deepspeed ZERO_CKPT OUT [--tag TAG] [--overwrite]
 
 ZERO_CKPT is a save_dir (its `latest`, or --tag, picks the checkpoint) or a
 checkpoint directory; OUT receives OUT/TAG/ and OUT/latest, written through
-OUT/.TAG.partial and renamed (the atomic commit of zero's own saves). zero's
+OUT/.TAG.partial and renamed (the atomic commit of zero's own saves). OUT is
+never the checkpoint, inside it or around it, and a non-empty OUT is written
+into only with --overwrite ([Note: a converter's output] in output.py). zero's
 files are read as plain data and checked as load_checkpoint checks them. The
 output holds DeepSpeed's own classes (its loss scaler and stage enum), so
 this needs deepspeed installed, as the DeepSpeed that reads it has.
@@ -18,12 +20,14 @@ import argparse
 import math
 import os
 import shutil
+import sys
 from collections import OrderedDict
 
 import torch
 
 from .deepspeed_layout import DS_VERSION, Layout, flat_layout, model_states_name, optim_states_name
 from .format import MODEL_STATES, SavedShards, check_file, load_plain, read_engine_state, read_manifest
+from .output import check_empty, check_outside, first_missing, partial_file, remove_made
 from .save import commit, writing
 from .tensorfile import fsync_dir
 from .to_fp32 import checkpoint_directory
@@ -106,26 +110,32 @@ class Source:
         return out
 
 
-def convert(checkpoint_dir: str, out_dir: str, *, tag: str | None = None) -> str:
-    """Writes OUT/TAG in DeepSpeed's layout; returns its path."""
-    classes = deepspeed_classes()
+def convert(checkpoint_dir: str, out_dir: str, *, tag: str | None = None, overwrite: bool = False) -> str:
+    """Writes OUT/TAG in DeepSpeed's layout, with OUT/latest and DeepSpeed's
+    zero_to_fp32.py beside it; returns its path. ValueError when OUT is, is
+    inside or contains the checkpoint, or (unless `overwrite`) is not empty."""
     directory = checkpoint_directory(checkpoint_dir, tag)
+    check_outside("to_deepspeed", out_dir, (checkpoint_dir, directory))
+    check_empty("to_deepspeed", out_dir, folder=True, overwrite=overwrite)
+    classes = deepspeed_classes()
     source = Source(directory)
     tag = tag or os.path.basename(os.path.normpath(directory))
     target, partial = os.path.join(out_dir, tag), os.path.join(out_dir, f".{tag}.partial")
-    with writing("to_deepspeed", out_dir):
-        os.makedirs(out_dir, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)
-        os.makedirs(partial)
+    made = first_missing(out_dir)
     try:
+        with writing("to_deepspeed", out_dir):
+            os.makedirs(out_dir, exist_ok=True)
+            shutil.rmtree(partial, ignore_errors=True)
+            os.makedirs(partial)
         write_all(source, partial, classes)
         with writing("to_deepspeed", partial):
             fsync_dir(partial)
+        copy_recovery_script(out_dir)
         with writing("to_deepspeed", target):
             commit(out_dir, tag, partial, target, save_latest=True)
-        copy_recovery_script(out_dir)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
+        remove_made(made)
         raise
     finally:
         source.saved.close()
@@ -240,9 +250,16 @@ def copy_recovery_script(out_dir: str) -> None:
 
     src = os.path.join(os.path.dirname(deepspeed.utils.__file__), "zero_to_fp32.py")
     dst = os.path.join(out_dir, "zero_to_fp32.py")
+    partial = partial_file(dst)
     with writing("to_deepspeed", dst):
-        shutil.copyfile(src, dst)
-        os.chmod(dst, os.stat(dst).st_mode | 0o111)
+        try:
+            shutil.copyfile(src, partial)
+            os.chmod(partial, os.stat(partial).st_mode | 0o111)
+            os.replace(partial, dst)
+        except BaseException:
+            if os.path.exists(partial):
+                os.remove(partial)
+            raise
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -250,8 +267,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("checkpoint_dir")
     parser.add_argument("output_dir")
     parser.add_argument("--tag", default=None, help="checkpoint tag (default: the one `latest` names)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="write into an OUT that is not empty (TAG, latest and zero_to_fp32.py are replaced)")
     args = parser.parse_args(argv)
-    print(convert(args.checkpoint_dir, args.output_dir, tag=args.tag))
+    try:
+        print(convert(args.checkpoint_dir, args.output_dir, tag=args.tag, overwrite=args.overwrite))
+    except ValueError as error:  # the caller's paths or checkpoint: the message says it all
+        sys.exit(f"{parser.prog}: error: {error}")
 
 
 if __name__ == "__main__":

@@ -51,15 +51,19 @@ def _section(raw: dict, key: str, known: set[str]) -> dict:
 def _monitor(raw: dict, key: str) -> MonitorOptions:
     section = _section(raw, key, MONITOR_KEYS[key])
     options = MonitorOptions(**{name: section[name] for name in MONITOR_KEYS[key] if name in section})
-    if key != "wandb" and not isinstance(options.output_path, str):
-        raise ValueError(f"zero config: {key}.output_path must be a string, got {options.output_path!r}")
+    for name in sorted(MONITOR_KEYS[key] - {"enabled"}):
+        value, optional = getattr(options, name), name in ("group", "team")  # wandb's may be null
+        if not isinstance(value, str) and not (optional and value is None):
+            raise ValueError(f"zero config: {key}.{name} must be a string{' or null' if optional else ''}, "
+                             f"got {value!r}")
     return options
 
 
 def parse(raw: dict) -> MonitoringConfig:
     comms = _section(raw, "comms_logger", COMMS_KEYS)
-    if not isinstance(comms.get("prof_ops", []), list):
-        raise ValueError(f"zero config: comms_logger.prof_ops must be a list of op names, got {comms['prof_ops']!r}")
+    prof_ops = comms.get("prof_ops", [])
+    if not isinstance(prof_ops, list) or not all(isinstance(op, str) for op in prof_ops):
+        raise ValueError(f"zero config: comms_logger.prof_ops must be a list of op names, got {prof_ops!r}")
     breakdown = raw.get("wall_clock_breakdown", False)
     if not isinstance(breakdown, bool):
         raise ValueError(f"zero config: wall_clock_breakdown must be true or false, got {breakdown!r}")

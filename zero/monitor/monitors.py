@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import os
+import tempfile
 from typing import Protocol
 
 from .config import MonitoringConfig, MonitorOptions
@@ -21,10 +22,28 @@ class Monitor(Protocol):
     def close(self) -> None: ...
 
 
+def writable_folder(path: str, *, mode: int = 0o777) -> None:
+    """Makes the folder `path` (and its parents) and a file in it, removed at
+    once: an OSError now, naming the OS's reason, rather than at the first write."""
+    os.makedirs(path, mode=mode, exist_ok=True)
+    with tempfile.TemporaryFile(dir=path):
+        pass
+
+
+def log_folder(key: str, options: MonitorOptions) -> str:
+    """output_path/job_name, made and writable, else ValueError naming the key, the folder and the OS's reason."""
+    folder = os.path.join(options.output_path, options.job_name)
+    try:
+        writable_folder(folder)
+    except OSError as error:
+        raise ValueError(f"zero config: {key}.output_path {options.output_path!r} (job_name {options.job_name!r}): "
+                         f"cannot write in {folder}: {error.strerror or error}") from error
+    return folder
+
+
 class CsvMonitor:
     def __init__(self, options: MonitorOptions) -> None:
-        self.log_dir = os.path.join(options.output_path, options.job_name)
-        os.makedirs(self.log_dir, exist_ok=True)
+        self.log_dir = log_folder("csv_monitor", options)
         self._started: set[str] = set()
 
     def write_events(self, events: list[Event]) -> None:
@@ -48,8 +67,7 @@ class TensorBoardMonitor:
         except ImportError as err:
             raise RuntimeError("zero config: tensorboard.enabled needs the tensorboard package "
                                "(pip install tensorboard, or ringcomm[tensorboard])") from err
-        self.log_dir = os.path.join(options.output_path, options.job_name)
-        os.makedirs(self.log_dir, exist_ok=True)
+        self.log_dir = log_folder("tensorboard", options)
         self._writer = SummaryWriter(log_dir=self.log_dir)
 
     def write_events(self, events: list[Event]) -> None:
@@ -68,7 +86,11 @@ class WandbMonitor:
         except ImportError as err:
             raise RuntimeError("zero config: wandb.enabled needs the wandb package (pip install wandb)") from err
         self._wandb = wandb
-        wandb.init(project=options.project, group=options.group, entity=options.team)
+        try:
+            wandb.init(project=options.project, group=options.group, entity=options.team)
+        except Exception as error:  # wandb's own errors (login, network): named, and agreed on (setup.py)
+            raise RuntimeError(f"zero config: wandb: wandb.init(project={options.project!r}, group={options.group!r}, "
+                               f"entity={options.team!r}) failed: {type(error).__name__}: {error}") from error
 
     def write_events(self, events: list[Event]) -> None:
         for tag, value, step in events:
@@ -80,8 +102,8 @@ class WandbMonitor:
 
 def make_monitors(config: MonitoringConfig, rank: int) -> list[Monitor]:
     """The enabled monitors, on rank 0 (every other rank writes nothing, as in
-    DeepSpeed); every rank checks that their packages are installed, so that all
-    fail alike."""
+    DeepSpeed); every rank checks that their packages are installed. Call it
+    through setup.open_step_log, which agrees on the outcome across ranks."""
     for options, module in ((config.tensorboard, "tensorboard"), (config.wandb, "wandb")):
         if options.enabled and importlib.util.find_spec(module) is None:
             raise RuntimeError(f"zero config: {module}.enabled needs the {module} package "
@@ -89,4 +111,13 @@ def make_monitors(config: MonitoringConfig, rank: int) -> list[Monitor]:
     if rank != 0:
         return []
     kinds = ((config.csv_monitor, CsvMonitor), (config.tensorboard, TensorBoardMonitor), (config.wandb, WandbMonitor))
-    return [kind(options) for options, kind in kinds if options.enabled]
+    made: list[Monitor] = []
+    try:
+        for options, kind in kinds:
+            if options.enabled:
+                made.append(kind(options))
+    except BaseException:  # one failed: close those made before it (tensorboard's writer thread)
+        for monitor in made:
+            monitor.close()
+        raise
+    return made

@@ -8,15 +8,17 @@ import time
 from collections.abc import Iterator
 
 from .config import MonitoringConfig
-from .monitors import make_monitors
+from .monitors import Monitor
 
 PHASES = ("forward", "backward", "step")
 
 
 class StepLog:
-    def __init__(self, config: MonitoringConfig, rank: int) -> None:
+    """Made at zero.initialize by setup.open_step_log (the monitors: rank 0's, made and agreed)."""
+
+    def __init__(self, config: MonitoringConfig, rank: int, monitors: list[Monitor]) -> None:
         self.config, self.rank = config, rank
-        self.monitors = make_monitors(config, rank)
+        self.monitors = monitors
         self.elapsed_ms = dict.fromkeys(PHASES, 0.0)  # this step's
         self._losses: list[float] = []  # this step's micro-batch losses
 

@@ -10,6 +10,8 @@ from ringcomm.transport.placement import host_name
 
 from .. import comm as comm_mod
 from ..activation import checkpointing
+from ..monitor.setup import open_step_log
+from ..monitor.step_log import StepLog
 from ..offload.host import HostParamGroup
 from ..offload.nvme_params import NvmeParamGroup
 from ..sharding import init as zero_init
@@ -149,6 +151,19 @@ def build_engine(model: nn.Module, optimizer=None, model_parameters=None, lr_sch
     rank, world_size = dist.get_rank(), dist.get_world_size()
     cfg = config_mod.parse(config if config is not None else {}, model_facts(model, world_size, args))
     activation = checkpointing.for_engine(cfg.activation_checkpointing)
+    step_log = open_step_log(cfg.monitoring, rank)  # collective: before the comm, so a failure leaves nothing
+    try:
+        return assemble(model, cfg, activation, step_log, optimizer=optimizer, model_parameters=model_parameters,
+                        lr_scheduler=lr_scheduler, comm_backend=comm_backend)
+    except BaseException:
+        step_log.close()
+        raise
+
+
+def assemble(model: nn.Module, cfg: config_mod.EngineConfig, activation: checkpointing.ActivationCheckpointing | None,
+             step_log: StepLog, *, optimizer, model_parameters, lr_scheduler, comm_backend: str | None) -> ZeroEngine:
+    """The engine for a parsed config: optimizer, comm, buckets, hooks, scheduler, scaler."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     dtype = DTYPES[cfg.dtype]
     model.to(dtype)
     params = trainable_params(model)
@@ -174,4 +189,4 @@ def build_engine(model: nn.Module, optimizer=None, model_parameters=None, lr_sch
     scaler = make_scaler(dtype, cfg.scaler)
     names = {id(p): name for name, p in model.named_parameters()}
     return ZeroEngine(EngineParts(model, optimizer, scheduler, cfg, group, gatherer, scaler, comm, dtype,
-                                  [names[id(p)] for p in params], params, activation))
+                                  [names[id(p)] for p in params], params, activation, step_log))

@@ -44,6 +44,7 @@ class EngineParts:
     param_names: list[str]
     trainable: list  # the trainable parameters, in the buckets' parameter-index order
     activation: checkpointing.ActivationCheckpointing | None  # its own, from the config's section; else None
+    step_log: StepLog  # the monitors and step timers, made and agreed on first (monitor/setup.py)
 
 
 @dataclass(slots=True)
@@ -95,7 +96,7 @@ class ZeroEngine:
         self._step_applied = False
         self._destroyed = False
         comms.LOGGER.configure(parts.config.monitoring.comms_logger)
-        self.step_log = StepLog(parts.config.monitoring, self.global_rank)
+        self.step_log = parts.step_log
 
     global_steps = _progress("global_steps")
     global_samples = _progress("global_samples")
