@@ -5,55 +5,21 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from . import rendezvous
 from .pipeline import Pipeline, Stages, num_pieces, pieces
 from .placement import HOST_ENV, SETUP, Placement, auto_transport, consecutive, exchange_hosts, host_name, \
     plan_placement, shm_options_for_machine
 from .shm import ShmOptions, ShmTransport
-from .torch_dist import SKIP, TorchDistOptions, TorchDistTransport, _Diagnosis
+from .torch_dist import SKIP, TorchDistOptions, TorchDistTransport, _Diagnosis, open_torch_dist
 from .. import ring
 from ..kernels import reduce_into
 from ..ops import LOW_PRECISION, ReduceOp
 
 LOCAL_EXPLAIN_S = 2.0  # how long a rank failed by a local peer waits for that peer's report
 LOCAL_STORE_S = 0.5  # and for a store that does not answer, beyond that
-
-
-def open_torch_dist(store: dist.Store, rank: int, world_size: int, timeout_s: float, options: TorchDistOptions, *,
-                    fallback: str = "") -> tuple[TorchDistTransport, dist.ProcessGroup]:
-    """Collective: a torch_dist transport on a new gloo group made on `store`;
-    the caller owns (and shuts down) the returned process group. `fallback`:
-    why this flat ring stands in for a hierarchical transport."""
-    rendezvous.check_in(store, "torch_dist/arrived", rank, world_size, timeout_s, SETUP)
-    pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world_size, timedelta(seconds=timeout_s))
-    try:
-        diagnosis_store = dist.PrefixStore("torch_dist/", store)
-        transport = (FlatFallback(pg, timeout_s, options, diagnosis_store, fallback) if fallback
-                     else TorchDistTransport(pg, timeout_s, options, diagnosis_store))
-        rendezvous.check_in(store, "torch_dist/ready", rank, world_size, timeout_s, SETUP)
-        transport.learn_peers()
-    except BaseException:
-        pg.shutdown()
-        raise
-    return transport, pg
-
-
-class FlatFallback(TorchDistTransport):
-    """The flat torch_dist ring, used where hierarchical was asked for but the
-    placement does not allow it; describe() says why."""
-
-    def __init__(self, pg: dist.ProcessGroup, timeout_s: float, options: TorchDistOptions, store: dist.Store,
-                 reason: str) -> None:
-        super().__init__(pg, timeout_s, options, store)
-        self.reason = reason
-
-    def describe(self) -> str:
-        return f"torch_dist (flat ring; not hierarchical because {self.reason})"
 
 
 class HierarchicalTransport:

@@ -17,7 +17,9 @@ import torch.distributed as dist
 from .. import ring, schedule
 from ..host import process_state
 from ..ops import OP_KINDS, ReduceOp, dtype_code
+from . import rendezvous
 from .lifecycle import CallGate
+from .placement import SETUP
 
 EXPLAIN_WAIT_S = 0.5
 EXPLAIN_STORE_S = 2.0
@@ -340,6 +342,38 @@ class TorchDistTransport:
         that its connections close once no failed call's frames hold its Works."""
         self._link.pg = None
         self.pg = None
+
+
+def open_torch_dist(store: dist.Store, rank: int, world_size: int, timeout_s: float, options: TorchDistOptions, *,
+                    fallback: str = "") -> tuple[TorchDistTransport, dist.ProcessGroup]:
+    """Collective: a torch_dist transport on a new gloo group made on `store`;
+    the caller owns (and shuts down) the returned process group. `fallback`:
+    why this flat ring stands in for a hierarchical transport."""
+    rendezvous.check_in(store, "torch_dist/arrived", rank, world_size, timeout_s, SETUP)
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world_size, timedelta(seconds=timeout_s))
+    try:
+        diagnosis_store = dist.PrefixStore("torch_dist/", store)
+        transport = (FlatFallback(pg, timeout_s, options, diagnosis_store, fallback) if fallback
+                     else TorchDistTransport(pg, timeout_s, options, diagnosis_store))
+        rendezvous.check_in(store, "torch_dist/ready", rank, world_size, timeout_s, SETUP)
+        transport.learn_peers()
+    except BaseException:
+        pg.shutdown()
+        raise
+    return transport, pg
+
+
+class FlatFallback(TorchDistTransport):
+    """The flat torch_dist ring, used where hierarchical was asked for but the
+    placement does not allow it; describe() says why."""
+
+    def __init__(self, pg: dist.ProcessGroup, timeout_s: float, options: TorchDistOptions, store: dist.Store,
+                 reason: str) -> None:
+        super().__init__(pg, timeout_s, options, store)
+        self.reason = reason
+
+    def describe(self) -> str:
+        return f"torch_dist (flat ring; not hierarchical because {self.reason})"
 
 
 def _or(compare: int | None, numel: int) -> int:
