@@ -16,8 +16,9 @@ import torch.distributed as dist
 
 from .. import ring, schedule
 from ..host import process_state
-from ..ops import OP_KINDS, ReduceOp, dtype_code
-from . import rendezvous
+from ..ops import ReduceOp, dtype_code
+from . import agreement, rendezvous
+from .agreement import CallKey
 from .lifecycle import CallGate
 from .placement import SETUP
 
@@ -29,7 +30,9 @@ SKIP = -1  # compare= of a pipelined call's later pieces
 @dataclass(frozen=True, slots=True)
 class TorchDistOptions:
     segment_nbytes: int = 4 << 20
-    check_calls: bool = True  # compare op, dtype and sizes across ranks before each collective
+    # Compare every rank's call (op, dtype, sizes, the caller's key) before each
+    # collective: one small all-gather ([Note: call agreement] in agreement.py).
+    check_calls: bool = True
 
 
 class _PendingTransfer:
@@ -237,26 +240,27 @@ class TorchDistTransport:
         return max(1, self.options.segment_nbytes // tensor.element_size())
 
     def _check_call(self, op: str, tensor: torch.Tensor | None, numel: int, *, redop: int = -1, root: int = -1,
-                    always: bool = False, compare: int | None = None) -> None:
-        """All ranks must call the same op on the same dtype and sizes; a mismatch
-        would otherwise pair unequal messages. Costs one small all-gather."""
+                    always: bool = False, compare: int | None = None, key: CallKey | None = None) -> None:
+        """All ranks must call the same op on the same dtype and sizes, and with
+        the same caller's key; a mismatch would otherwise pair unequal messages
+        ([Note: call agreement]). Costs one small all-gather."""
         if self._link.broken:
             raise RuntimeError(f"{op}: rank {self.rank}: the group is unusable after an earlier failure: "
                                f"{self._link.broken}")
         if self.world_size == 1 or compare == SKIP or not (always or self.options.check_calls):
             return
-        dtype = dtype_code(tensor.dtype, where=op) if tensor is not None else -1
-        mine = torch.tensor([OP_KINDS[op], dtype, redop, root, numel], dtype=torch.int64)
+        if tensor is not None:
+            dtype_code(tensor.dtype, where=op)
+        mine = torch.tensor(agreement.record(op, tensor, numel, redop=redop, root=root, key=key), dtype=torch.int64)
+        everyone = self._share(op, mine)
+        if not all(torch.equal(theirs, mine) for theirs in everyone):
+            raise agreement.disagreement(op if key is None else key.op, [theirs.tolist() for theirs in everyone])
+
+    def _share(self, op: str, mine: torch.Tensor) -> list[torch.Tensor]:
         everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
         what = f"comparing the call with all ranks{self._link.neighbours}"
         self._link.wait(self._link.run(lambda: self.pg.allgather([everyone], [mine]), op, 0, what), op, 0, what)
-        bad = [r for r, theirs in enumerate(everyone) if not torch.equal(theirs, mine)]
-        if bad:
-            calls = {r: everyone[r].tolist() for r in range(self.world_size)}
-            raise ValueError(
-                f"{op}: ranks disagree on the call (kind, dtype, op, root, numel): rank {self.rank} has "
-                f"{mine.tolist()}, ranks {bad} differ; all calls: {calls}"
-            )
+        return everyone
 
     # compare: the numel the ranks compare instead of this call's (a pipelined
     # call's first piece compares the whole call's), SKIP for none (a later piece).
@@ -282,23 +286,24 @@ class TorchDistTransport:
             ring.reduce_scatter(self._link, output=output, input=input, chunks=chunks, op=op,
                                 segment_numel=self._segment_numel(input), scratch=self._scratch)
 
-    def all_gather(self, *, output: torch.Tensor, input: torch.Tensor, compare: int | None = None) -> None:
+    def all_gather(self, *, output: torch.Tensor, input: torch.Tensor, compare: int | None = None,
+                   key: CallKey | None = None) -> None:
         with self._gate.call("all_gather"):
             input, output = input.view(-1), output.view(-1)
-            self._check_call("all_gather", input, _or(compare, input.numel()), compare=compare)
+            self._check_call("all_gather", input, _or(compare, input.numel()), compare=compare, key=key)
             chunks = schedule.equal_chunks(input.numel(), self.world_size)
             own = output[chunks[self.rank].begin:chunks[self.rank].end]
             if own.data_ptr() != input.data_ptr():
                 own.copy_(input)
             ring.all_gather(self._link, output, chunks, self._segment_numel(output))
 
-    def all_to_all(self, *, output: torch.Tensor, input: torch.Tensor) -> None:
+    def all_to_all(self, *, output: torch.Tensor, input: torch.Tensor, key: CallKey | None = None) -> None:
         """Chunk p of input to rank p, chunk p of output from rank p: world_size - 1
         pairwise steps (step k: to rank + k, from rank - k), each bounded by the timeout."""
         with self._gate.call("all_to_all"):
             input, output = input.view(-1), output.view(-1)
             chunk = output.numel() // self.world_size
-            self._check_call("all_to_all", input, chunk)
+            self._check_call("all_to_all", input, chunk, key=key)
             out, inp = output.view(self.world_size, chunk), input.view(self.world_size, chunk)
             out[self.rank].copy_(inp[self.rank])
             for k in range(1, self.world_size if chunk else 1):
