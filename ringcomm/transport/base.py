@@ -40,8 +40,8 @@ class Transport(Protocol):
 
     def all_to_all(self, *, output: torch.Tensor, input: torch.Tensor, key: CallKey | None = None) -> None:
         """Chunk p of input to rank p, chunk p of output from rank p (equal chunks,
-        distinct buffers). A transport of two levels offers levels() instead
-        (HierarchicalTransport)."""
+        distinct buffers). A transport of two levels offers agree() and levels()
+        instead (HierarchicalTransport)."""
         ...
 
     def barrier(self) -> None: ...

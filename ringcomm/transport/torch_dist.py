@@ -24,7 +24,6 @@ from .placement import SETUP
 
 EXPLAIN_WAIT_S = 0.5
 EXPLAIN_STORE_S = 2.0
-SKIP = -1  # compare= of a pipelined call's later pieces
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,14 +239,14 @@ class TorchDistTransport:
         return max(1, self.options.segment_nbytes // tensor.element_size())
 
     def _check_call(self, op: str, tensor: torch.Tensor | None, numel: int, *, redop: int = -1, root: int = -1,
-                    always: bool = False, compare: int | None = None, key: CallKey | None = None) -> None:
+                    always: bool = False, agreed: bool = False, key: CallKey | None = None) -> None:
         """All ranks must call the same op on the same dtype and sizes, and with
         the same caller's key; a mismatch would otherwise pair unequal messages
         ([Note: call agreement]). Costs one small all-gather."""
         if self._link.broken:
             raise RuntimeError(f"{op}: rank {self.rank}: the group is unusable after an earlier failure: "
                                f"{self._link.broken}")
-        if self.world_size == 1 or compare == SKIP or not (always or self.options.check_calls):
+        if self.world_size == 1 or agreed or not (always or self.options.check_calls):
             return
         if tensor is not None:
             dtype_code(tensor.dtype, where=op)
@@ -256,19 +255,29 @@ class TorchDistTransport:
         if not all(torch.equal(theirs, mine) for theirs in everyone):
             raise agreement.disagreement(op if key is None else key.op, [theirs.tolist() for theirs in everyone])
 
+    def share(self, op: str, mine: torch.Tensor) -> list[torch.Tensor]:
+        """Collective: every rank's `mine` (a small tensor of one shape and dtype
+        on all ranks) by one all-gather, bounded by the timeout. For an agreement
+        step of a caller above this transport (hierarchical.py)."""
+        with self._gate.call(op):
+            if self._link.broken:
+                raise RuntimeError(f"{op}: rank {self.rank}: the group is unusable after an earlier failure: "
+                                   f"{self._link.broken}")
+            return self._share(op, mine)
+
     def _share(self, op: str, mine: torch.Tensor) -> list[torch.Tensor]:
         everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
         what = f"comparing the call with all ranks{self._link.neighbours}"
         self._link.wait(self._link.run(lambda: self.pg.allgather([everyone], [mine]), op, 0, what), op, 0, what)
         return everyone
 
-    # compare: the numel the ranks compare instead of this call's (a pipelined
-    # call's first piece compares the whole call's), SKIP for none (a later piece).
+    # agreed: the caller has compared the call across ranks already (the
+    # hierarchical transport's agreement step): no check of its own.
     def all_reduce(self, *, output: torch.Tensor, input: torch.Tensor, op: ReduceOp,
-                   compare: int | None = None) -> None:
+                   agreed: bool = False) -> None:
         with self._gate.call("all_reduce"):
             input, output = input.view(-1), output.view(-1)
-            self._check_call("all_reduce", input, _or(compare, input.numel()), redop=int(op), compare=compare)
+            self._check_call("all_reduce", input, input.numel(), redop=int(op), agreed=agreed)
             chunks = schedule.chunk_bounds(input.numel(), self.world_size)
             own = chunks[self.rank]
             # In place is safe: the ring writes output's own chunk only in its last step,
@@ -278,41 +287,42 @@ class TorchDistTransport:
             ring.all_gather(self._link, output, chunks, self._segment_numel(output), name="all_reduce")
 
     def reduce_scatter(self, *, output: torch.Tensor, input: torch.Tensor, op: ReduceOp,
-                       compare: int | None = None) -> None:
+                       agreed: bool = False) -> None:
         with self._gate.call("reduce_scatter"):
             input, output = input.view(-1), output.view(-1)
-            self._check_call("reduce_scatter", input, _or(compare, output.numel()), redop=int(op), compare=compare)
+            self._check_call("reduce_scatter", input, output.numel(), redop=int(op), agreed=agreed)
             chunks = schedule.equal_chunks(output.numel(), self.world_size)
             ring.reduce_scatter(self._link, output=output, input=input, chunks=chunks, op=op,
                                 segment_numel=self._segment_numel(input), scratch=self._scratch)
 
-    def all_gather(self, *, output: torch.Tensor, input: torch.Tensor, compare: int | None = None,
+    def all_gather(self, *, output: torch.Tensor, input: torch.Tensor, agreed: bool = False,
                    key: CallKey | None = None) -> None:
         with self._gate.call("all_gather"):
             input, output = input.view(-1), output.view(-1)
-            self._check_call("all_gather", input, _or(compare, input.numel()), compare=compare, key=key)
+            self._check_call("all_gather", input, input.numel(), agreed=agreed, key=key)
             chunks = schedule.equal_chunks(input.numel(), self.world_size)
             own = output[chunks[self.rank].begin:chunks[self.rank].end]
             if own.data_ptr() != input.data_ptr():
                 own.copy_(input)
             ring.all_gather(self._link, output, chunks, self._segment_numel(output))
 
-    def all_to_all(self, *, output: torch.Tensor, input: torch.Tensor, key: CallKey | None = None) -> None:
+    def all_to_all(self, *, output: torch.Tensor, input: torch.Tensor, agreed: bool = False,
+                   key: CallKey | None = None) -> None:
         """Chunk p of input to rank p, chunk p of output from rank p: world_size - 1
         pairwise steps (step k: to rank + k, from rank - k), each bounded by the timeout."""
         with self._gate.call("all_to_all"):
             input, output = input.view(-1), output.view(-1)
             chunk = output.numel() // self.world_size
-            self._check_call("all_to_all", input, chunk, key=key)
+            self._check_call("all_to_all", input, chunk, agreed=agreed, key=key)
             out, inp = output.view(self.world_size, chunk), input.view(self.world_size, chunk)
             out[self.rank].copy_(inp[self.rank])
             for k in range(1, self.world_size if chunk else 1):
                 to, source = (self.rank + k) % self.world_size, (self.rank - k) % self.world_size
                 self._link.exchange(inp[to], to, out[source], source, op="all_to_all", step=k)
 
-    def broadcast(self, tensor: torch.Tensor, root: int) -> None:
+    def broadcast(self, tensor: torch.Tensor, root: int, agreed: bool = False) -> None:
         with self._gate.call("broadcast"):
-            self._check_call("broadcast", tensor, tensor.numel(), root=root)
+            self._check_call("broadcast", tensor, tensor.numel(), root=root, agreed=agreed)
             if self.world_size > 1 and tensor.numel() > 0:
                 options = dist.BroadcastOptions()
                 options.rootRank = root
@@ -379,7 +389,3 @@ class FlatFallback(TorchDistTransport):
 
     def describe(self) -> str:
         return f"torch_dist (flat ring; not hierarchical because {self.reason})"
-
-
-def _or(compare: int | None, numel: int) -> int:
-    return numel if compare is None else compare
