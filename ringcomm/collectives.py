@@ -33,6 +33,8 @@ def lean_all_reduce(tensor: object, op: ReduceOp, group: Group) -> bool:
         return False
     try:
         return _C.all_reduce_tensor(handle, tensor, op, group.timeout_s)
+    except _C.CallMismatch as err:  # the lean path runs on shm only
+        raise group.failed(None, group.transport.mismatch_error(err, "all_reduce")) from None
     except Exception as err:
         raise group.failed(None, err) from None
 
@@ -44,6 +46,8 @@ def lean_reduce_scatter(output: object, input: object, op: ReduceOp, group: Grou
         return False
     try:
         return _C.reduce_scatter_tensors(handle, output, input, op, group.timeout_s)
+    except _C.CallMismatch as err:  # the lean path runs on shm only
+        raise group.failed(None, group.transport.mismatch_error(err, "reduce_scatter")) from None
     except Exception as err:
         raise group.failed(None, err) from None
 
@@ -55,6 +59,8 @@ def lean_all_gather(output: object, input: object, group: Group) -> bool:
         return False
     try:
         return _C.all_gather_tensors(handle, output, input, group.timeout_s)
+    except _C.CallMismatch as err:  # the lean path runs on shm only
+        raise group.failed(None, group.transport.mismatch_error(err, "all_gather")) from None
     except Exception as err:
         raise group.failed(None, err) from None
 

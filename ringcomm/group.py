@@ -21,10 +21,9 @@ from . import arguments, profiling, recorder as recorder_mod
 from .ops import ReduceOp
 from .transport import rendezvous
 from .transport.base import Transport
-from .transport.hierarchical import HierarchicalTransport, auto_transport, exchange_hosts, \
-    open_torch_dist, plan_placement
+from .transport.hierarchical import HierarchicalTransport, auto_transport, exchange_hosts, plan_placement
 from .transport.shm import ShmOptions, ShmTransport
-from .transport.torch_dist import TorchDistOptions
+from .transport.torch_dist import TorchDistOptions, open_torch_dist
 from .work import Work
 
 TRANSPORTS = ("auto", "shm", "torch_dist", "hierarchical")

@@ -27,6 +27,16 @@ hierarchical.py's reduce-scatter:
        output dtype (AVG divides by N before that).
 
 Values are quantized twice on the way (steps 1 and 3), once on one level.
+
+[Note: quantized agreement]
+The rows say nothing of the call that made them: 5 elements and 8 (or 1001
+and 1008 at 4 bits) pad to rows of one length, 8 bits in blocks of 8 and 4
+in blocks of 4 give rows of 12 bytes for 8 elements, and the dtype and op do
+not show at all. So each call passes the transport a CallKey (numel, dtype,
+op, bits, block, as the caller passed them) that the ranks compare in the
+agreement step of the call's first exchange ([Note: call agreement] in
+transport/agreement.py): a mismatch is the same ValueError on every rank, in
+the caller's units. A rank with no elements still takes part in it.
 """
 from __future__ import annotations
 
@@ -37,6 +47,7 @@ import torch
 from . import quant
 from .group import Group, resolve_group
 from .ops import ReduceOp, to_reduce_op
+from .transport.agreement import CallKey
 from .work import Work
 
 
@@ -109,13 +120,15 @@ def quantized_all_gather(output: torch.Tensor, input: torch.Tensor, group: Group
         raise ValueError(f"quantized_all_gather: output.numel()={output.numel()} != world_size "
                          f"({group.world_size}) * input.numel()={input.numel()} on rank {group.rank}")
     rows = Rows(input.numel(), bits, block)
+    key = CallKey.of("quantized_all_gather", input.numel(), input.dtype, bits=bits, block=block)
 
     def body() -> None:
+        mine, gathered = rows.empty(), rows.empty(group.world_size)
+        if rows.numel:
+            rows.pack(input.view(-1), mine)
+        group.transport.all_gather(output=_words(gathered), input=_words(mine), key=key)
         if rows.numel == 0:
             return
-        mine, gathered = rows.empty(), rows.empty(group.world_size)
-        rows.pack(input.view(-1), mine)
-        group.transport.all_gather(output=_words(gathered), input=_words(mine))
         flat = output.view(-1)
         for rank in range(group.world_size):
             rows.unpack(gathered[rank], flat[rank * rows.numel:(rank + 1) * rows.numel])
@@ -138,30 +151,32 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: obje
         raise ValueError(f"quantized_reduce_scatter: input.numel()={input.numel()} != world_size "
                          f"({group.world_size}) * output.numel()={output.numel()} on rank {group.rank}")
     rows = Rows(output.numel(), bits, block)
+    key = CallKey.of("quantized_reduce_scatter", output.numel(), output.dtype, redop=redop, bits=bits, block=block)
 
     def body() -> None:
-        if rows.numel == 0:
-            return
         chunks = input.view(group.world_size, rows.numel)
         result = output.view(-1) if redop == ReduceOp.SUM else torch.empty(rows.numel, dtype=torch.float32)
         levels = getattr(group.transport, "levels", None)
         if levels is None:
-            _one_level(group.transport, chunks, rows, result)
+            _one_level(group.transport, chunks, rows, result, key)
         else:
-            _two_levels(*levels(), chunks, rows, result)
-        if redop == ReduceOp.AVG:
+            group.transport.agree(key)
+            if rows.numel:
+                _two_levels(*levels(), chunks, rows, result)
+        if redop == ReduceOp.AVG and rows.numel:
             output.view(-1).copy_(result.div_(group.world_size))
 
     return group.run("quantized_reduce_scatter", body, async_op, inputs=(input,), outputs=(output,), redop=redop)
 
 
-def _one_level(transport, chunks: torch.Tensor, rows: Rows, result: torch.Tensor) -> None:
+def _one_level(transport, chunks: torch.Tensor, rows: Rows, result: torch.Tensor, key: CallKey) -> None:
     world_size = chunks.shape[0]
     send, recv = rows.empty(world_size), rows.empty(world_size)
-    for rank in range(world_size):
+    for rank in range(world_size if rows.numel else 0):
         rows.pack(chunks[rank], send[rank])
-    transport.all_to_all(output=_words(recv), input=_words(send))
-    rows.unpack_sum(recv, result)
+    transport.all_to_all(output=_words(recv), input=_words(send), key=key)
+    if rows.numel:
+        rows.unpack_sum(recv, result)
 
 
 def _two_levels(local_all_to_all, cross_all_to_all, ranks_on: tuple[tuple[int, ...], ...], chunks: torch.Tensor,

@@ -34,19 +34,27 @@ def check_bad_input(rank, world_size, transport):
         with pytest.raises(error, match=word) as info:
             call()
         assert f"rank {rank}" in str(info.value), str(info.value)
-    # Ranks that disagree on sizes all get a ValueError naming both calls, and the group stays usable.
+    # Ranks that disagree on sizes all get the same ValueError naming both calls, and the group stays usable.
+    word = torch.int32 if rank else torch.float32
+    messages = []
     for call in (
         lambda: ringcomm.all_reduce(torch.ones(5 + rank), group=group),
         lambda: ringcomm.reduce_scatter(torch.empty(2 + rank), torch.ones((2 + rank) * world_size), group=group),
         lambda: ringcomm.all_gather(torch.empty((3 + rank) * world_size), torch.ones(3 + rank), group=group),
         lambda: ringcomm.all_reduce(torch.ones(4, dtype=torch.float64 if rank else torch.float32), group=group),
         lambda: ringcomm.all_reduce(torch.ones(4), op="max" if rank else "sum", group=group),
+        # as many bytes, another dtype: compared too
+        lambda: ringcomm.all_gather(torch.empty(2 * world_size, dtype=word), torch.ones(2, dtype=word), group=group),
+        lambda: group.transport.all_to_all(output=torch.empty(2 * world_size, dtype=word),
+                                           input=torch.ones(2 * world_size, dtype=word)),
     ):
-        with pytest.raises(ValueError, match="disagree"):
+        with pytest.raises(ValueError, match="disagree") as info:
             call()
+        messages.append(str(info.value))
         y = torch.ones(100)
         ringcomm.all_reduce(y, group=group)
         assert torch.all(y == world_size), f"rank {rank}: group unusable after a mismatch"
+    return messages
 
 
 def killed_in_all_reduce(rank: int, group: ringcomm.Group, numel: int) -> tuple[str, float]:
@@ -99,7 +107,9 @@ def stall_past_timeout(rank, world_size, transport):
 
 @pytest.mark.parametrize("transport", ["shm", "torch_dist"])
 def test_bad_input_raises_clear_errors(transport):
-    run_ranks(check_bad_input, 2, transport)
+    messages = run_ranks(check_bad_input, 2, transport)
+    assert messages[0] == messages[1], messages
+    assert "rank 0 has numel 4, dtype float32" in messages[0][3] and "dtype float64" in messages[0][3], messages[0][3]
 
 
 @pytest.mark.parametrize("transport", ["shm", "torch_dist"])

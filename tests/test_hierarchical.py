@@ -189,3 +189,63 @@ def test_placement_and_auto_choice_are_pure():
     assert "own host" in plan_placement(("a", "b")).unsupported()
     assert [auto_transport(h) for h in (("a",) * 3, ("a", "b", "c"), HOST_MAJOR, UNEVEN)] == \
         ["shm", "torch_dist", "hierarchical", "hierarchical"]
+
+
+# Plain calls on which the ranks disagree, (what every rank passes, what the odd
+# rank passes instead): AVG runs as SUM on both levels and 16-bit floats cross as
+# float32, so neither level's own check sees those; a size that differs on one
+# rank only differs on one host and one cross-host ring.
+PLAIN_MISMATCHES = (
+    (dict(op="all_reduce", numel=8), dict(redop=ReduceOp.AVG)),
+    (dict(op="all_reduce", numel=1001), dict(redop=ReduceOp.AVG)),
+    (dict(op="reduce_scatter", numel=8), dict(redop=ReduceOp.AVG)),
+    (dict(op="all_reduce", numel=8, dtype=torch.bfloat16), dict(dtype=torch.float16)),
+    (dict(op="reduce_scatter", numel=8, dtype=torch.bfloat16), dict(dtype=torch.float16)),
+    (dict(op="all_reduce", numel=8), dict(numel=9)),
+    (dict(op="all_gather", numel=8), dict(numel=7)),
+    (dict(op="all_gather", numel=8), dict(numel=0)),
+    (dict(op="reduce_scatter", numel=8), dict(numel=0)),
+    (dict(op="broadcast", numel=8, root=0), dict(root=1)),
+)
+PLAIN_CALL = dict(dtype=torch.float32, redop=ReduceOp.SUM, root=0)
+
+
+def plain_call(group, rank, world_size, *, op, numel, dtype, redop, root) -> None:
+    """One plain collective on (rank + 1)-filled data."""
+    fill = float(rank + 1)
+    if op == "all_reduce":
+        ringcomm.all_reduce(torch.full((numel,), fill, dtype=dtype), redop, group=group)
+    elif op == "reduce_scatter":
+        ringcomm.reduce_scatter(torch.empty(numel, dtype=dtype), torch.full((world_size * numel,), fill, dtype=dtype),
+                                redop, group=group)
+    elif op == "all_gather":
+        ringcomm.all_gather(torch.empty(world_size * numel, dtype=dtype), torch.full((numel,), fill, dtype=dtype),
+                            group=group)
+    else:
+        ringcomm.broadcast(torch.full((numel,), fill, dtype=dtype), root, group=group)
+
+
+def check_disagreements(rank, world_size, hosts):
+    """Every case of PLAIN_MISMATCHES, the odd rank going round: a ValueError on
+    every rank, and the group works after it (closed form: sum of rank + 1)."""
+    group = hierarchical_group(rank, hosts, timeout=10.0)
+    messages = []
+    for case, (every, odd) in enumerate(PLAIN_MISMATCHES):
+        call = {**PLAIN_CALL, **every, **(odd if rank == case % world_size else {})}
+        with pytest.raises(ValueError, match="disagree") as info:
+            plain_call(group, rank, world_size, **call)
+        messages.append(str(info.value))
+        for numel in (8, 1001):
+            tensor = torch.ones(numel)
+            ringcomm.all_reduce(tensor, group=group)
+            assert torch.all(tensor == world_size), f"rank {rank} case {case} {call}: all_reduce after it: {tensor}"
+    group.close()
+    return messages
+
+
+def test_disagreements_raise_on_every_rank():
+    messages = run_ranks(check_disagreements, 4, HOST_MAJOR, timeout=120)
+    for case, (every, odd) in enumerate(PLAIN_MISMATCHES):
+        seen = {m[case] for m in messages}
+        assert len(seen) == 1, f"case {case} {every} {odd}: the ranks' errors differ: {seen}"
+        assert seen.pop().startswith(f"{every['op']}: ranks disagree"), f"case {case}: {messages[0][case]}"

@@ -131,3 +131,109 @@ def test_quantized_bad_input_is_refused_before_any_transfer():
     messages = run_ranks(_errors, 2, timeout=120)
     assert any("cannot be quantized" in m for m in messages[0])
     assert any("is not SUM or AVG" in m for m in messages[0])
+
+
+# Calls whose rows have the same length on every rank but whose arguments differ:
+# (what every rank passes, what the odd rank passes instead). Sizes pair inside one
+# padding bucket of the int32 words (1008 and 1001 at 4 bits); 8/8 and 4/4 give rows of 12 bytes for 8
+# elements, 8 and 4 bits rows of 8 bytes for 4; the dtype and op do not change the rows at all.
+MISMATCHES = (
+    (dict(op="all_gather", numel=8), dict(numel=5)),
+    (dict(op="all_gather", numel=1008), dict(numel=1001)),  # 8 bits: rows differ, the error named int32 words
+    (dict(op="all_gather", numel=1008, bits=4), dict(numel=1001)),
+    (dict(op="reduce_scatter", numel=8, bits=4, block=4), dict(bits=8, block=8)),
+    (dict(op="all_gather", numel=4, bits=4, block=4), dict(bits=8)),
+    (dict(op="all_gather", numel=8), dict(numel=0)),
+    (dict(op="reduce_scatter", numel=8), dict(numel=0)),
+    (dict(op="reduce_scatter", numel=8), dict(numel=5)),
+    (dict(op="all_gather", numel=8), dict(dtype=torch.bfloat16)),
+    (dict(op="reduce_scatter", numel=8), dict(redop=ReduceOp.AVG)),
+)
+DEFAULT_CALL = dict(bits=8, block=256, dtype=torch.float32, redop=ReduceOp.SUM)
+
+
+def _call(group: ringcomm.Group, rank: int, world_size: int, *, op: str, numel: int, bits: int, block: int,
+          dtype: torch.dtype, redop: ReduceOp) -> torch.Tensor:
+    """One quantized call on (rank + 1)-filled data; returns its output."""
+    if op == "all_gather":
+        output = torch.empty(world_size * numel, dtype=dtype)
+        ringcomm.quantized_all_gather(output, torch.full((numel,), rank + 1.0, dtype=dtype), group, bits=bits,
+                                      block=block)
+    else:
+        output = torch.empty(numel, dtype=dtype)
+        ringcomm.quantized_reduce_scatter(output, torch.full((world_size * numel,), rank + 1.0, dtype=dtype), redop,
+                                          group, bits=bits, block=block)
+    return output
+
+
+def _check_still_works(group: ringcomm.Group, rank: int, world_size: int, what: str) -> None:
+    """A correct call of each collective after a refused one, against round trips of the
+    closed-form inputs (rank r holds r + 1) made here, one process."""
+    got = _call(group, rank, world_size, op="all_gather", numel=300, bits=8, block=64, dtype=torch.float32,
+                redop=ReduceOp.SUM)
+    want = torch.cat([_roundtrip(torch.full((300,), r + 1.0), 8, 64) for r in range(world_size)])
+    torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"all_gather after {what}")
+    got = _call(group, rank, world_size, op="reduce_scatter", numel=300, bits=4, block=32, dtype=torch.float32,
+                redop=ReduceOp.SUM)
+    ranks_on = group.transport.levels()[2] if group.transport.kind == "hierarchical" else None
+    want = _expected_reduce_scatter([torch.full((world_size * 300,), r + 1.0) for r in range(world_size)], rank, 300,
+                                    4, 32, ranks_on)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=f"reduce_scatter after {what}")
+
+
+def _disagreements(rank: int, world_size: int, kind: str) -> list[str]:
+    """Every case of MISMATCHES, the odd rank going round: each must raise a
+    ValueError on every rank, and the group must work after it."""
+    if kind == "hierarchical":
+        os.environ["RINGCOMM_HOST"] = ("a", "a", "b", "b")[rank]
+    group = ringcomm.new_group(transport=kind, timeout=10.0, shm=SMALL_CMA, torch_dist=SMALL_TORCH_DIST)
+    messages = []
+    for case, (every, odd) in enumerate(MISMATCHES):
+        call = {**DEFAULT_CALL, **every, **(odd if rank == case % world_size else {})}
+        what = f"{kind} rank {rank} case {case} {call}"
+        with pytest.raises(ValueError, match="disagree") as info:
+            _call(group, rank, world_size, **call)
+        messages.append(str(info.value))
+        _check_still_works(group, rank, world_size, what)
+    group.close()
+    if kind == "hierarchical":
+        _check_calls_off(rank, world_size)
+    return messages
+
+
+def _check_calls_off(rank: int, world_size: int) -> None:
+    """With TorchDistOptions.check_calls off a hierarchical group exchanges no
+    records across hosts, as a torch_dist group compares nothing, and still
+    gives the right numbers, empty calls included; its barrier still agrees."""
+    options = ringcomm.TorchDistOptions(segment_nbytes=96, check_calls=False)
+    group = ringcomm.new_group(transport="hierarchical", timeout=10.0, shm=SMALL_CMA, torch_dist=options)
+    shares = []
+    share = group.transport.cross.share
+    group.transport.cross.share = lambda op, mine: shares.append(op) or share(op, mine)
+    _check_still_works(group, rank, world_size, "check_calls=False")
+    for op in ("all_gather", "reduce_scatter"):
+        assert _call(group, rank, world_size, op=op, numel=0, **DEFAULT_CALL).numel() == 0
+    assert shares == [], f"rank {rank}: records crossed hosts with check_calls=False: {shares}"
+    ringcomm.barrier(group=group)
+    assert shares == ["barrier"], f"rank {rank}: {shares}"
+    group.close()
+
+
+def _named(value: object) -> str:
+    return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else \
+        value.name if isinstance(value, ReduceOp) else str(value)
+
+
+@pytest.mark.parametrize("kind,world_size", [("shm", 2), ("hierarchical", 4)])
+def test_quantized_disagreements_raise_on_every_rank(kind, world_size):
+    messages = run_ranks(_disagreements, world_size, kind, timeout=120)
+    for case, (every, odd) in enumerate(MISMATCHES):
+        seen = {m[case] for m in messages}
+        assert len(seen) == 1, f"case {case}: the ranks' errors differ: {seen}"
+        message = seen.pop()
+        assert message.startswith(f"quantized_{every['op']}: ranks disagree"), message
+        for field, value in odd.items():
+            name = "numel" if field == "numel" else field if field != "redop" else "op"
+            usual = {**DEFAULT_CALL, **every}[field]
+            for shown in (value, usual):
+                assert f"{name} {_named(shown)}" in message, f"case {case}: {name} {_named(shown)} not in {message}"

@@ -21,6 +21,7 @@ import pytest
 
 from ringcomm import _C, host, schedule
 from ringcomm.ops import DTYPE_CODES, OP_KINDS, ReduceOp
+from ringcomm.transport import agreement
 from zero.estimate import memory_model as mm
 from zero.sharding.policy import STAGES, ShardingPolicy
 
@@ -48,6 +49,11 @@ def test_dtype_and_reduce_op_codes_agree(path: str) -> None:
 
 def test_call_kinds_agree() -> None:
     assert cpp_enum(ROOT / "csrc/cpu/shm.h", "OpKind") == OP_KINDS
+
+
+def test_call_key_lengths_agree() -> None:
+    assert _C.CALL_KEY_LEN == agreement.KEY_LEN
+    assert len(agreement.CallKey("all_gather", 1).values()) == agreement.KEY_LEN
 
 
 def test_chunk_bounds_agree() -> None:

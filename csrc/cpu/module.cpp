@@ -89,6 +89,7 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "ringcomm C++ kernels and shared-memory transport";
   ringcomm::add_lean_functions(m);
   ringcomm::add_trace_functions(m);
+  m.attr("CALL_KEY_LEN") = ringcomm::kCallKeyLen;
   py::call_guard<py::gil_scoped_release> no_gil;
   m.def("reduce_n", &reduce_n, "dst = srcs[0] op srcs[1] op ...", py::arg("dst"), py::arg("srcs"), py::arg("numel"),
         py::arg("dtype"), py::arg("op"), py::arg("divisor") = 1, no_gil);
@@ -123,7 +124,7 @@ PYBIND11_MODULE(_C, m) {
 
   // Test-only: an op descriptor as a peer writes it into its slot.
   py::class_<OpDesc>(m, "_DebugOpDesc")
-      .def(py::init([]() { return OpDesc{0, -1, -1, -1, 0, 0, -1, 0, -1, 0, 0, 0}; }))
+      .def(py::init([]() { return OpDesc{0, -1, -1, -1, 0, 0, -1, 0, -1, 0, 0, 0, ringcomm::CallKey{}}; }))
       .def_readwrite("kind", &OpDesc::kind)
       .def_readwrite("dtype", &OpDesc::dtype)
       .def_readwrite("redop", &OpDesc::redop)
@@ -180,6 +181,8 @@ PYBIND11_MODULE(_C, m) {
            },
            py::arg("output"), py::arg("input"), py::arg("chunk_numel"),
            py::arg("dtype"), py::arg("timeout_s"), no_gil)
+      .def("last_calls", &ShmComm::last_calls, "every rank's (kind, dtype, op, root, numel, key...) as this rank "
+           "read them in its last check of the calls (after a CallMismatch: what differed)")
       .def("broadcast", &ShmComm::broadcast, py::arg("buffer"), py::arg("numel"), py::arg("dtype"), py::arg("root"),
            py::arg("timeout_s"), no_gil)
       .def("barrier", &ShmComm::barrier, py::arg("timeout_s"), no_gil)

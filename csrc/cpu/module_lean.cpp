@@ -6,10 +6,12 @@
 // all-reduce between two cores. They take the comm as a capsule
 // (ShmComm._handle, made once per transport; it holds a reference to the comm,
 // see [Note: close and abort] in shm_lifecycle.cpp) and map C++ errors as
-// pybind11 does (invalid_argument -> ValueError, others -> RuntimeError).
+// pybind11 does (CallMismatch -> ringcomm._C.CallMismatch, a ValueError;
+// invalid_argument -> ValueError; others -> RuntimeError).
 //
 // *_lean take raw pointers and sizes: the transport's calls, on tensors that
-// ringcomm.collectives has checked. *_tensor(s) take the tensors themselves and
+// ringcomm.collectives has checked; *_keyed too, with a caller's key (CallKey
+// in shm.h) that the ranks compare with the rest of the call. *_tensor(s) take the tensors themselves and
 // check them here, with torch's own Python attributes (no torch headers at
 // build time) but without the interpreter between them: 8-byte calls at 2 ranks
 // measured 0.3-1.4 us faster than with the same checks in Python, most of what
@@ -45,6 +47,7 @@ struct TorchApi {
   PyObject* nbytes = nullptr;
 };
 TorchApi api;
+PyObject* call_mismatch = nullptr;  // ringcomm._C.CallMismatch, made once by add_lean_functions
 
 // An owned reference, released at scope exit.
 class Ref {
@@ -134,6 +137,9 @@ bool run_released(Call call) {
   Py_BEGIN_ALLOW_THREADS
   try {
     call();
+  } catch (const CallMismatch& err) {
+    error_type = call_mismatch;
+    message = err.what();
   } catch (const std::invalid_argument& err) {
     error_type = PyExc_ValueError;
     message = err.what();
@@ -169,6 +175,39 @@ PyObject* pointer_call(const char* name, PyObject* const* args, Py_ssize_t nargs
   Py_RETURN_NONE;
 }
 
+// Reads a caller's key: a list or tuple of kCallKeyLen ints, or an empty one for none.
+bool read_key(PyObject* object, CallKey* key) {
+  const Ref sequence(PySequence_Fast(object, "key must be a list or tuple of ints"));
+  if (sequence.get() == nullptr) return false;
+  const Py_ssize_t size = PySequence_Fast_GET_SIZE(sequence.get());
+  *key = CallKey{};
+  if (size == 0) return true;
+  if (size != kCallKeyLen) {
+    PyErr_Format(PyExc_ValueError, "key has %zd values, expected %d (CallKey.values())", size, kCallKeyLen);
+    return false;
+  }
+  PyObject** items = PySequence_Fast_ITEMS(sequence.get());
+  for (int i = 0; i < kCallKeyLen; ++i) {
+    key->values[i] = PyLong_AsLongLong(items[i]);
+    if (key->values[i] == -1 && PyErr_Occurred()) return false;
+  }
+  return true;
+}
+
+// Calls `call(comm, ints, key, timeout_s)` for args (capsule, int x num_ints, key, timeout_s).
+template <int num_ints, typename Call>
+PyObject* keyed_call(const char* name, PyObject* const* args, Py_ssize_t nargs, Call call) {
+  if (!check_nargs(name, nargs, num_ints + 3)) return nullptr;
+  ShmComm* comm = comm_of(args[0]);
+  int64_t ints[num_ints];
+  CallKey key;
+  if (comm == nullptr || !read_ints(args, 1, num_ints, ints) || !read_key(args[num_ints + 1], &key)) return nullptr;
+  const double timeout_s = PyFloat_AsDouble(args[num_ints + 2]);
+  if (timeout_s == -1.0 && PyErr_Occurred()) return nullptr;
+  if (!run_released([&] { call(*comm, ints, key, timeout_s); })) return nullptr;
+  Py_RETURN_NONE;
+}
+
 // The (output, input) addresses of a pointer call.
 Output output_of(const int64_t* a) { return Output{static_cast<uintptr_t>(a[0])}; }
 Input input_of(const int64_t* a) { return Input{static_cast<uintptr_t>(a[1])}; }
@@ -192,6 +231,22 @@ PyObject* all_gather_lean(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return pointer_call<4>("all_gather_lean", args, nargs, [](ShmComm& comm, const int64_t* a, double timeout_s) {
     comm.all_gather(output_of(a), input_of(a), a[2], static_cast<int>(a[3]), timeout_s);
   });
+}
+
+// all_gather_keyed(handle, output, input, chunk_numel, dtype, key, timeout_s)
+PyObject* all_gather_keyed(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  return keyed_call<4>("all_gather_keyed", args, nargs,
+                       [](ShmComm& comm, const int64_t* a, const CallKey& key, double timeout_s) {
+                         comm.all_gather(output_of(a), input_of(a), a[2], static_cast<int>(a[3]), timeout_s, key);
+                       });
+}
+
+// all_to_all_keyed(handle, output, input, chunk_numel, dtype, key, timeout_s)
+PyObject* all_to_all_keyed(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  return keyed_call<4>("all_to_all_keyed", args, nargs,
+                       [](ShmComm& comm, const int64_t* a, const CallKey& key, double timeout_s) {
+                         comm.all_to_all(output_of(a), input_of(a), a[2], static_cast<int>(a[3]), timeout_s, key);
+                       });
 }
 
 // all_reduce_tensor(handle, tensor, op, timeout_s) -> bool: in place.
@@ -272,6 +327,10 @@ PyMethodDef kLeanMethods[] = {
                                   "reduce_scatter_lean(handle, output, input, chunk_numel, dtype, op, timeout_s)"),
     fastcall<all_gather_lean>("all_gather_lean",
                               "all_gather_lean(handle, output, input, chunk_numel, dtype, timeout_s)"),
+    fastcall<all_gather_keyed>("all_gather_keyed",
+                               "all_gather_keyed(handle, output, input, chunk_numel, dtype, key, timeout_s)"),
+    fastcall<all_to_all_keyed>("all_to_all_keyed",
+                               "all_to_all_keyed(handle, output, input, chunk_numel, dtype, key, timeout_s)"),
     fastcall<all_reduce_tensor>("all_reduce_tensor",
                                 "all_reduce_tensor(handle, tensor, op, timeout_s) -> whether it ran"),
     fastcall<reduce_scatter_tensors>("reduce_scatter_tensors",
@@ -285,6 +344,8 @@ PyObject* intern(const char* name) { return PyUnicode_InternFromString(name); }
 }  // namespace
 
 void add_lean_functions(pybind11::module_& m) {
+  // Also what pybind11 raises for a CallMismatch from the ShmComm methods.
+  call_mismatch = pybind11::register_exception<CallMismatch>(m, "CallMismatch", PyExc_ValueError).ptr();
   for (PyMethodDef& def : kLeanMethods)
     m.add_object(def.ml_name, pybind11::reinterpret_steal<pybind11::object>(PyCFunction_New(&def, nullptr)));
   m.def(

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdint>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,14 @@ enum class OpKind : int32_t { kBarrier = 0, kAllReduce = 1, kReduceScatter = 2, 
 // copies from the rank's own memory, process_vm_readv, as Open MPI does).
 enum class Access : int32_t { kStaged = 0, kWindows = 1, kCma = 2 };
 
+// A caller's description of its call in its own units (CallKey.values() of
+// ringcomm/transport/agreement.py, whose KEY_LEN is kCallKeyLen): compared across
+// ranks with the rest of the OpDesc, never used otherwise. All 0: none.
+constexpr int kCallKeyLen = 7;
+struct CallKey {
+  int64_t values[kCallKeyLen];
+};
+
 // What a rank is about to do; written into its slot with the op's first round
 // so that every rank can check that all ranks called the same thing.
 struct alignas(64) OpDesc {
@@ -32,6 +41,14 @@ struct alignas(64) OpDesc {
   int64_t in_window, in_offset;      // kWindows: window id and byte offset of the input
   int64_t out_window, out_offset;    // ... and of the output
   uint64_t in_addr, out_addr;        // kCma: the buffers' addresses in the rank's own process
+  CallKey key;
+};
+
+// Ranks that called different things (check_descs): a ValueError in Python,
+// which ringcomm's shm transport words in the caller's units from last_calls().
+class CallMismatch : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
 };
 
 // A collective's buffers, as addresses in this process: distinct types, so that
@@ -114,12 +131,18 @@ class ShmComm {
 
   void all_reduce(Output output, Input input, int64_t numel, int dtype, int redop, double timeout_s);
   void reduce_scatter(Output output, Input input, int64_t chunk_numel, int dtype, int redop, double timeout_s);
-  void all_gather(Output output, Input input, int64_t chunk_numel, int dtype, double timeout_s);
+  // `key`: the caller's description of the call, compared with the rest (CallKey).
+  void all_gather(Output output, Input input, int64_t chunk_numel, int dtype, double timeout_s,
+                  const CallKey& key = CallKey{});
   void broadcast(uintptr_t buffer, int64_t numel, int dtype, int root, double timeout_s);
   // Chunk p of input goes to rank p, chunk p of output comes from rank p
   // (torch's all_to_all_single with equal splits); always staged. output != input.
-  void all_to_all(Output output, Input input, int64_t chunk_numel, int dtype, double timeout_s);
+  void all_to_all(Output output, Input input, int64_t chunk_numel, int dtype, double timeout_s,
+                  const CallKey& key = CallKey{});
   void barrier(double timeout_s);
+  // Every rank's call as this rank read it in its last check of the calls, by
+  // rank: (kind, dtype, redop, root, numel, key...). After a CallMismatch: what differed.
+  std::vector<std::vector<int64_t>> last_calls() const;
 
   // [Note: close and abort] in shm_lifecycle.cpp. close() refuses new calls,
   // waits up to timeout_s for the call in flight, aborts it past that, and
@@ -194,7 +217,7 @@ class ShmComm {
   // CMA (shm_window.cpp, shm_cma.cpp).
   bool locate(const void* ptr, int64_t nbytes, int64_t* window, int64_t* offset) const;
   OpDesc describe(OpKind kind, int dtype, int redop, int root, int64_t numel, const void* in, int64_t in_nbytes,
-                  const void* out, int64_t out_nbytes) const;
+                  const void* out, int64_t out_nbytes, const CallKey& key = CallKey{}) const;
   void resolve_peers(const StepInfo& step, const OpDesc& mine);
   void fetch(const StepInfo& step, int peer, char* dst, const char* src, int64_t nbytes);
   void reduce_peers(const StepInfo& step, char* dst, const char* const* srcs, int64_t numel, const OpDesc& desc);

@@ -140,7 +140,8 @@ void ShmComm::reduce_scatter(Output output, Input input, int64_t chunk_numel, in
   }
 }
 
-void ShmComm::all_gather(Output output, Input input, int64_t chunk_numel, int dtype, double timeout_s) {
+void ShmComm::all_gather(Output output, Input input, int64_t chunk_numel, int dtype, double timeout_s,
+                         const CallKey& key) {
   OpScope scope(caller_, state_, "all_gather", rank_);
   const auto windows = lock_windows();
   check_numel("all_gather", chunk_numel);
@@ -149,7 +150,7 @@ void ShmComm::all_gather(Output output, Input input, int64_t chunk_numel, int dt
   auto* out = reinterpret_cast<char*>(output.address);
   const int64_t esize = element_nbytes(dt);
   const OpDesc desc = describe(OpKind::kAllGather, dtype, -1, -1, chunk_numel, in, chunk_numel * esize, out,
-                               world_size_ * chunk_numel * esize);
+                               world_size_ * chunk_numel * esize, key);
   if (desc.access != static_cast<int32_t>(Access::kStaged)) {
     StepInfo step = begin_op("all_gather", 1, timeout_s);
     return all_gather_windows(in, out, desc, step);
@@ -207,7 +208,8 @@ void ShmComm::broadcast(uintptr_t buffer, int64_t numel, int dtype, int root, do
 
 // Staged like reduce_scatter: each rank writes the chunk for peer p into part p
 // of its slot; every rank then copies part `rank_` of each peer's slot.
-void ShmComm::all_to_all(Output output, Input input, int64_t chunk_numel, int dtype, double timeout_s) {
+void ShmComm::all_to_all(Output output, Input input, int64_t chunk_numel, int dtype, double timeout_s,
+                         const CallKey& key) {
   OpScope scope(caller_, state_, "all_to_all", rank_);
   const auto windows = lock_windows();
   check_numel("all_to_all", chunk_numel);
@@ -218,7 +220,7 @@ void ShmComm::all_to_all(Output output, Input input, int64_t chunk_numel, int dt
   const int64_t nbytes = world_size_ * chunk_numel * esize;
   if (chunk_numel > 0 && in < out + nbytes && out < in + nbytes)
     throw std::invalid_argument("all_to_all: output and input overlap");
-  const OpDesc desc{static_cast<int32_t>(OpKind::kAllToAll), dtype, -1, -1, chunk_numel, 0, -1, 0, -1, 0, 0, 0};
+  const OpDesc desc{static_cast<int32_t>(OpKind::kAllToAll), dtype, -1, -1, chunk_numel, 0, -1, 0, -1, 0, 0, 0, key};
   const int64_t part_nbytes = config_.slot_nbytes / world_size_ / 64 * 64;
   const int64_t segment_numel = part_nbytes / esize;
   const int64_t segments = num_segments(chunk_numel, segment_numel);

@@ -57,15 +57,27 @@ void ShmComm::check_desc_range(const StepInfo& step, int peer, const OpDesc& the
 
 namespace {
 
+bool same_key(const CallKey& a, const CallKey& b) {
+  for (int i = 0; i < kCallKeyLen; ++i)
+    if (a.values[i] != b.values[i]) return false;
+  return true;
+}
+
 bool same_call(const OpDesc& a, const OpDesc& b) {
   return a.kind == b.kind && a.dtype == b.dtype && a.redop == b.redop && a.root == b.root && a.numel == b.numel &&
-         a.access == b.access;
+         a.access == b.access && same_key(a.key, b.key);
 }
 
 void describe_call(std::ostream& out, const OpDesc& desc) {
   static const char* const kAccess[] = {"staged", "ringcomm.empty windows", "single copy (CMA)"};
   out << "(kind=" << desc.kind << ", dtype=" << desc.dtype << ", op=" << desc.redop << ", root=" << desc.root
-      << ", numel=" << desc.numel << ", buffers=" << kAccess[desc.access] << ")";
+      << ", numel=" << desc.numel << ", buffers=" << kAccess[desc.access];
+  if (desc.key.values[0] != 0) {
+    out << ", caller's key=[";
+    for (int i = 0; i < kCallKeyLen; ++i) out << (i ? ", " : "") << desc.key.values[i];
+    out << "]";
+  }
+  out << ")";
 }
 
 }  // namespace
@@ -94,7 +106,17 @@ void ShmComm::check_descs(const StepInfo& step, const OpDesc& mine) {
     message << ";";
   }
   message << " every rank must pass the same op, dtype and sizes, and either all or no tensors from ringcomm.empty";
-  throw std::invalid_argument(message.str());
+  throw CallMismatch(message.str());
+}
+
+std::vector<std::vector<int64_t>> ShmComm::last_calls() const {
+  std::vector<std::vector<int64_t>> calls;
+  for (const OpDesc& desc : descs_) {
+    std::vector<int64_t> call{desc.kind, desc.dtype, desc.redop, desc.root, desc.numel};
+    call.insert(call.end(), desc.key.values, desc.key.values + kCallKeyLen);
+    calls.push_back(std::move(call));
+  }
+  return calls;
 }
 
 }  // namespace ringcomm

@@ -59,9 +59,9 @@ bool ShmComm::locate(const void* ptr, int64_t nbytes, int64_t* window, int64_t* 
 }
 
 OpDesc ShmComm::describe(OpKind kind, int dtype, int redop, int root, int64_t numel, const void* in, int64_t in_nbytes,
-                         const void* out, int64_t out_nbytes) const {
+                         const void* out, int64_t out_nbytes, const CallKey& key) const {
   OpDesc desc{static_cast<int32_t>(kind), dtype, redop, root, numel, 0, -1, 0, -1, 0,
-              reinterpret_cast<uintptr_t>(in), reinterpret_cast<uintptr_t>(out)};
+              reinterpret_cast<uintptr_t>(in), reinterpret_cast<uintptr_t>(out), key};
   if (kind == OpKind::kBarrier || (windows_.empty() && !cma_enabled_)) return desc;
   const bool in_window = locate(in, in_nbytes, &desc.in_window, &desc.in_offset);
   const bool out_window = locate(out, out_nbytes, &desc.out_window, &desc.out_offset);

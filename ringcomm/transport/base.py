@@ -6,6 +6,7 @@ from typing import Protocol
 import torch
 
 from ..ops import ReduceOp
+from .agreement import CallKey
 
 
 class Transport(Protocol):
@@ -13,7 +14,9 @@ class Transport(Protocol):
 
     Callers (ringcomm.collectives) have already checked the arguments: tensors
     are contiguous (of any shape: a transport reads them as flat), of one
-    supported dtype, with consistent numels.
+    supported dtype, with consistent numels. What the ranks must agree on they
+    compare in each call's agreement step ([Note: call agreement]); `key`, where
+    a call takes one, is the caller's own description of the call, compared too.
     """
 
     kind: str
@@ -31,14 +34,14 @@ class Transport(Protocol):
 
     def reduce_scatter(self, *, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> None: ...
 
-    def all_gather(self, *, output: torch.Tensor, input: torch.Tensor) -> None: ...
+    def all_gather(self, *, output: torch.Tensor, input: torch.Tensor, key: CallKey | None = None) -> None: ...
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None: ...
 
-    def all_to_all(self, *, output: torch.Tensor, input: torch.Tensor) -> None:
+    def all_to_all(self, *, output: torch.Tensor, input: torch.Tensor, key: CallKey | None = None) -> None:
         """Chunk p of input to rank p, chunk p of output from rank p (equal chunks,
-        distinct buffers). A transport of two levels offers levels() instead
-        (HierarchicalTransport)."""
+        distinct buffers). A transport of two levels offers agree() and levels()
+        instead (HierarchicalTransport)."""
         ...
 
     def barrier(self) -> None: ...

@@ -5,55 +5,23 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from . import rendezvous
+from . import agreement
+from .agreement import CallKey
 from .pipeline import Pipeline, Stages, num_pieces, pieces
 from .placement import HOST_ENV, SETUP, Placement, auto_transport, consecutive, exchange_hosts, host_name, \
     plan_placement, shm_options_for_machine
 from .shm import ShmOptions, ShmTransport
-from .torch_dist import SKIP, TorchDistOptions, TorchDistTransport, _Diagnosis
+from .torch_dist import TorchDistOptions, TorchDistTransport, _Diagnosis, open_torch_dist
 from .. import ring
 from ..kernels import reduce_into
 from ..ops import LOW_PRECISION, ReduceOp
 
 LOCAL_EXPLAIN_S = 2.0  # how long a rank failed by a local peer waits for that peer's report
 LOCAL_STORE_S = 0.5  # and for a store that does not answer, beyond that
-
-
-def open_torch_dist(store: dist.Store, rank: int, world_size: int, timeout_s: float, options: TorchDistOptions, *,
-                    fallback: str = "") -> tuple[TorchDistTransport, dist.ProcessGroup]:
-    """Collective: a torch_dist transport on a new gloo group made on `store`;
-    the caller owns (and shuts down) the returned process group. `fallback`:
-    why this flat ring stands in for a hierarchical transport."""
-    rendezvous.check_in(store, "torch_dist/arrived", rank, world_size, timeout_s, SETUP)
-    pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world_size, timedelta(seconds=timeout_s))
-    try:
-        diagnosis_store = dist.PrefixStore("torch_dist/", store)
-        transport = (FlatFallback(pg, timeout_s, options, diagnosis_store, fallback) if fallback
-                     else TorchDistTransport(pg, timeout_s, options, diagnosis_store))
-        rendezvous.check_in(store, "torch_dist/ready", rank, world_size, timeout_s, SETUP)
-        transport.learn_peers()
-    except BaseException:
-        pg.shutdown()
-        raise
-    return transport, pg
-
-
-class FlatFallback(TorchDistTransport):
-    """The flat torch_dist ring, used where hierarchical was asked for but the
-    placement does not allow it; describe() says why."""
-
-    def __init__(self, pg: dist.ProcessGroup, timeout_s: float, options: TorchDistOptions, store: dist.Store,
-                 reason: str) -> None:
-        super().__init__(pg, timeout_s, options, store)
-        self.reason = reason
-
-    def describe(self) -> str:
-        return f"torch_dist (flat ring; not hierarchical because {self.reason})"
 
 
 class HierarchicalTransport:
@@ -73,6 +41,9 @@ class HierarchicalTransport:
                       reduce-scatter: chunk h is this rank's.
       all_gather:     cross all-gather of the input -> [H, c]; for each host h a
                       local all-gather of part h into the chunks of h's ranks.
+
+    Each starts with the agreement step (_agree): every rank's call reaches
+    every rank over both levels, so a mismatch raises on all ranks alike.
 
     A host's chunks are contiguous when its ranks are consecutive (host-major
     placement); then the data moves in place, else through a scratch buffer.
@@ -181,9 +152,39 @@ class HierarchicalTransport:
         peers = ", ".join(f"global rank {r} on host {self.placement.hosts[r]!r}" for r in ranks)
         return f"; the other local ranks' cross-host rings reach {peers}" if peers else ""
 
+    def _agree(self, op: str, tensor: torch.Tensor | None, numel: int, *, redop: int = -1, root: int = -1,
+               key: CallKey | None = None, always: bool = False) -> None:
+        """The agreement step ([Note: call agreement]): every rank's record reaches
+        every rank (a local all-gather, then a cross-host one of the host's
+        records), so all raise the same ValueError when any differ, before any
+        data moves; the data steps' cross-host calls then skip their own check.
+        The record describes this call as its caller made it: 16-bit floats and
+        AVG, which both levels run as float32 and SUM, differ here. With the cross
+        level's check_calls off it is skipped (the barrier's excepted): only the
+        local steps compare, in their slots, as a torch_dist group compares nothing."""
+        if not (always or self.cross.options.check_calls):
+            return
+        mine = torch.tensor(agreement.record(op, tensor, numel, redop=redop, root=root, key=key), dtype=torch.int64)
+        host = torch.empty(self.placement.local_world_size, mine.numel(), dtype=torch.int64)
+        with self._step(op, 0, "local agreement"):
+            self.local.all_gather(output=host, input=mine)
+        with self._step(op, 0, "cross-host agreement"):
+            hosts = self.cross.share(op, host)
+        if all(torch.equal(records, hosts[0]) for records in hosts) and torch.equal(hosts[0], mine.expand_as(host)):
+            return
+        by_rank = {rank: hosts[h][l].tolist() for h, ranks in enumerate(self.placement.ranks_on)
+                   for l, rank in enumerate(ranks)}
+        raise agreement.disagreement(op if key is None else key.op, [by_rank[r] for r in range(self.world_size)])
+
+    def agree(self, key: CallKey) -> None:
+        """Collective: the agreement step alone, for a caller that moves its data
+        through levels()."""
+        self._agree("all_to_all", None, 0, key=key)
+
     def all_reduce(self, *, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> None:
         input, output = input.view(-1), output.view(-1)
         numel, local_size = input.numel(), self.placement.local_world_size
+        self._agree("all_reduce", input, numel, redop=int(op))
         if numel * input.element_size() <= self.whole_max_nbytes:
             self._all_reduce_whole(input, output, op)  # small: two steps beat three
             return
@@ -223,7 +224,7 @@ class HierarchicalTransport:
 
         self._pipeline("all_reduce", 2, "cross-host all-reduce", bounds, 4, before,
                        lambda k: self.cross.all_reduce(output=piece(k)[2], input=piece(k)[2], op=sum_op,
-                                                       compare=SKIP if k else input.numel()),
+                                                       agreed=True),
                        after)
 
     def _all_reduce_whole(self, input: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> None:
@@ -234,7 +235,7 @@ class HierarchicalTransport:
         with self._step("all_reduce", 4, "local all-reduce"):
             self.local.all_reduce(output=work, input=input if not wide else work, op=_level_op(op))
         with self._step("all_reduce", 5, "cross-host all-reduce"):
-            self.cross.all_reduce(output=work, input=work, op=_level_op(op))
+            self.cross.all_reduce(output=work, input=work, op=_level_op(op), agreed=True)
         self._finish_reduction(work, output, op)
 
     def reduce_scatter(self, *, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> None:
@@ -242,6 +243,7 @@ class HierarchicalTransport:
         into [H, piece] partials, then a cross-host reduce-scatter of those."""
         input, output = input.view(-1), output.view(-1)
         numel, num_hosts = output.numel(), self.placement.num_hosts
+        self._agree("reduce_scatter", input, numel, redop=int(op))
         if numel == 0:
             return
         acc_dtype = torch.float32 if input.dtype in LOW_PRECISION else input.dtype
@@ -260,7 +262,7 @@ class HierarchicalTransport:
         def across(k: int) -> None:
             lo, hi = bounds[k]
             self.cross.reduce_scatter(output=result[lo:hi], input=partials[num_hosts * lo:num_hosts * hi],
-                                      op=_level_op(op), compare=SKIP if k else numel)
+                                      op=_level_op(op), agreed=True)
 
         def after(k: int) -> None:
             lo, hi = bounds[k]
@@ -269,11 +271,12 @@ class HierarchicalTransport:
         self._pipeline("reduce_scatter", 2, "cross-host reduce-scatter", bounds, 4 * num_hosts, before, across,
                        after)
 
-    def all_gather(self, *, output: torch.Tensor, input: torch.Tensor) -> None:
+    def all_gather(self, *, output: torch.Tensor, input: torch.Tensor, key: CallKey | None = None) -> None:
         """Per piece of the input: a cross-host all-gather into [H, piece], then
         for each host h a local all-gather of part h into the chunks of h's ranks."""
         input, output = input.view(-1), output.view(-1)
         numel, num_hosts = input.numel(), self.placement.num_hosts
+        self._agree("all_gather", input, numel, key=key)
         if numel == 0:
             return
         gathered = self._scratch[0].get(num_hosts * numel, input.dtype, input.device)
@@ -295,7 +298,7 @@ class HierarchicalTransport:
                        lambda k: self.cross.all_gather(output=gathered[num_hosts * bounds[k][0]:
                                                                        num_hosts * bounds[k][1]],
                                                        input=input[bounds[k][0]:bounds[k][1]],
-                                                       compare=SKIP if k else numel),
+                                                       agreed=True),
                        after)
 
     def _pipeline(self, op: str, cross_step: int, cross_what: str, bounds: list[tuple[int, int]], nbytes_per: int,
@@ -310,33 +313,33 @@ class HierarchicalTransport:
 
     def levels(self) -> tuple[Callable[..., None], Callable[..., None], tuple[tuple[int, ...], ...]]:
         """(local all_to_all, cross-host all_to_all, ranks of each host): the two
-        levels for collectives that reduce where the data lands (ringcomm.quantized);
-        a failure of either is this group's, as in every step here."""
+        levels for collectives that reduce where the data lands (ringcomm.quantized),
+        after agree(); a failure of either is this group's, as in every step here."""
         def local(*, output: torch.Tensor, input: torch.Tensor) -> None:
             with self._step("all_to_all", 1, "local all-to-all"):
                 self.local.all_to_all(output=output, input=input)
 
         def cross(*, output: torch.Tensor, input: torch.Tensor) -> None:
             with self._step("all_to_all", 2, "cross-host all-to-all"):
-                self.cross.all_to_all(output=output, input=input)
+                self.cross.all_to_all(output=output, input=input, agreed=True)
         return local, cross, self.placement.ranks_on
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
         """Across hosts among the root's local rank, then inside every host."""
         root_host, root_local = self.placement.host_of(root), self.placement.local_rank_of(root)
         flat = tensor.view(-1)
+        self._agree("broadcast", flat, flat.numel(), root=root)
         if self.local_rank == root_local:
             with self._step("broadcast", 1, f"cross-host broadcast from host {root_host}"):
-                self.cross.broadcast(flat, root_host)
+                self.cross.broadcast(flat, root_host, agreed=True)
         with self._step("broadcast", 2, f"local broadcast from local rank {root_local}"):
             self.local.broadcast(flat, root_local)
 
     def barrier(self) -> None:
-        """Local, cross, local: the second local barrier waits for every ring."""
-        for step, (what, level) in enumerate((("local", self.local), ("cross-host", self.cross),
-                                              ("local", self.local)), start=1):
-            with self._step("barrier", step, f"{what} barrier"):
-                level.barrier()
+        """The agreement step, always: a rank's cross-host all-gather ends once
+        every ring's ranks ended their local all-gathers, which wait for every
+        rank of their host."""
+        self._agree("barrier", None, 0, always=True)
 
     def close(self, timeout_s: float | None = None) -> bool:
         """Closes both levels (see their close); whether both ended by themselves."""

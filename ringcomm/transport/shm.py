@@ -21,7 +21,8 @@ from .. import _C
 from ..arguments import INT64_MAX, check_int, check_number, flag_from_env
 from ..host import usable_cores
 from ..ops import DTYPE_CODES_BY_ID, ReduceOp
-from . import rendezvous
+from . import agreement, rendezvous
+from .agreement import CallKey
 from .shm_names import expiry_of, new_name, remove_stale_segments
 
 
@@ -151,28 +152,66 @@ class ShmTransport:
     def supports(self, tensor: torch.Tensor) -> bool:
         return tensor.is_cpu
 
+    # [Note: shm mismatches] The C++ check raises _C.CallMismatch (a ValueError)
+    # on every rank when the op descriptors of a call's first round differ; each
+    # call here turns it into the error of [Note: call agreement], the same on
+    # every rank, from the calls the segment held.
     def all_reduce(self, *, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> None:
-        _C.all_reduce_lean(self.handle, output.data_ptr(), input.data_ptr(), input.numel(),
-                           DTYPE_CODES_BY_ID[id(input.dtype)], op, self.timeout_s)
+        try:
+            _C.all_reduce_lean(self.handle, output.data_ptr(), input.data_ptr(), input.numel(),
+                               DTYPE_CODES_BY_ID[id(input.dtype)], op, self.timeout_s)
+        except _C.CallMismatch as err:
+            raise self.mismatch_error(err, "all_reduce") from None
 
     def reduce_scatter(self, *, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> None:
-        _C.reduce_scatter_lean(self.handle, output.data_ptr(), input.data_ptr(), output.numel(),
-                               DTYPE_CODES_BY_ID[id(input.dtype)], op, self.timeout_s)
+        try:
+            _C.reduce_scatter_lean(self.handle, output.data_ptr(), input.data_ptr(), output.numel(),
+                                   DTYPE_CODES_BY_ID[id(input.dtype)], op, self.timeout_s)
+        except _C.CallMismatch as err:
+            raise self.mismatch_error(err, "reduce_scatter") from None
 
-    def all_gather(self, *, output: torch.Tensor, input: torch.Tensor) -> None:
-        _C.all_gather_lean(self.handle, output.data_ptr(), input.data_ptr(), input.numel(),
-                           DTYPE_CODES_BY_ID[id(input.dtype)], self.timeout_s)
+    def all_gather(self, *, output: torch.Tensor, input: torch.Tensor, key: CallKey | None = None) -> None:
+        """`key`: the caller's description of the call, compared too ([Note: call agreement])."""
+        code = DTYPE_CODES_BY_ID[id(input.dtype)]
+        try:
+            if key is None:
+                _C.all_gather_lean(self.handle, output.data_ptr(), input.data_ptr(), input.numel(), code,
+                                   self.timeout_s)
+            else:
+                _C.all_gather_keyed(self.handle, output.data_ptr(), input.data_ptr(), input.numel(), code,
+                                    key.values(), self.timeout_s)
+        except _C.CallMismatch as err:
+            raise self.mismatch_error(err, "all_gather", key) from None
 
-    def all_to_all(self, *, output: torch.Tensor, input: torch.Tensor) -> None:
-        self._comm.all_to_all(output.data_ptr(), input.data_ptr(), output.numel() // self.world_size,
-                              DTYPE_CODES_BY_ID[id(input.dtype)], self.timeout_s)
+    def all_to_all(self, *, output: torch.Tensor, input: torch.Tensor, key: CallKey | None = None) -> None:
+        try:
+            _C.all_to_all_keyed(self.handle, output.data_ptr(), input.data_ptr(), output.numel() // self.world_size,
+                                DTYPE_CODES_BY_ID[id(input.dtype)], () if key is None else key.values(),
+                                self.timeout_s)
+        except _C.CallMismatch as err:
+            raise self.mismatch_error(err, "all_to_all", key) from None
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
-        code = DTYPE_CODES_BY_ID[id(tensor.dtype)]
-        self._comm.broadcast(tensor.data_ptr(), tensor.numel(), code, root, self.timeout_s)
+        try:
+            self._comm.broadcast(tensor.data_ptr(), tensor.numel(), DTYPE_CODES_BY_ID[id(tensor.dtype)], root,
+                                 self.timeout_s)
+        except _C.CallMismatch as err:
+            raise self.mismatch_error(err, "broadcast") from None
 
     def barrier(self) -> None:
-        self._comm.barrier(self.timeout_s)
+        try:
+            self._comm.barrier(self.timeout_s)
+        except _C.CallMismatch as err:
+            raise self.mismatch_error(err, "barrier") from None
+
+    def mismatch_error(self, err: ValueError, op: str, key: CallKey | None = None) -> ValueError:
+        """The error for a CallMismatch of this rank's call `op` ([Note: shm
+        mismatches]); C++'s own where the calls differ only in how peers reach
+        the buffers (ringcomm.empty windows on some ranks only)."""
+        calls = self._comm.last_calls()
+        if all(call == calls[0] for call in calls):
+            return err
+        return agreement.disagreement(op if key is None else key.op, calls)
 
     def close(self, timeout_s: float | None = None) -> bool:
         """Refuses new calls, waits up to timeout_s (default: the group's timeout)

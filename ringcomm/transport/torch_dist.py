@@ -17,18 +17,22 @@ import torch.distributed as dist
 from .. import ring, schedule
 from ..arguments import INT64_MAX, check_int
 from ..host import process_state
-from ..ops import OP_KINDS, ReduceOp, dtype_code
+from ..ops import ReduceOp, dtype_code
+from . import agreement, rendezvous
+from .agreement import CallKey
 from .lifecycle import CallGate
+from .placement import SETUP
 
 EXPLAIN_WAIT_S = 0.5
 EXPLAIN_STORE_S = 2.0
-SKIP = -1  # compare= of a pipelined call's later pieces
 
 
 @dataclass(frozen=True, slots=True)
 class TorchDistOptions:
     segment_nbytes: int = 4 << 20
-    check_calls: bool = True  # compare op, dtype and sizes across ranks before each collective
+    # Compare every rank's call (op, dtype, sizes, the caller's key) before each
+    # collective: one small all-gather ([Note: call agreement] in agreement.py).
+    check_calls: bool = True
 
     def __post_init__(self) -> None:
         check_int("TorchDistOptions", "segment_nbytes", self.segment_nbytes, 1, INT64_MAX)
@@ -241,34 +245,45 @@ class TorchDistTransport:
         return max(1, self.options.segment_nbytes // tensor.element_size())
 
     def _check_call(self, op: str, tensor: torch.Tensor | None, numel: int, *, redop: int = -1, root: int = -1,
-                    always: bool = False, compare: int | None = None) -> None:
-        """All ranks must call the same op on the same dtype and sizes; a mismatch
-        would otherwise pair unequal messages. Costs one small all-gather."""
+                    always: bool = False, agreed: bool = False, key: CallKey | None = None) -> None:
+        """All ranks must call the same op on the same dtype and sizes, and with
+        the same caller's key; a mismatch would otherwise pair unequal messages
+        ([Note: call agreement]). Costs one small all-gather."""
         if self._link.broken:
             raise RuntimeError(f"{op}: rank {self.rank}: the group is unusable after an earlier failure: "
                                f"{self._link.broken}")
-        if self.world_size == 1 or compare == SKIP or not (always or self.options.check_calls):
+        if self.world_size == 1 or agreed or not (always or self.options.check_calls):
             return
-        dtype = dtype_code(tensor.dtype, where=op) if tensor is not None else -1
-        mine = torch.tensor([OP_KINDS[op], dtype, redop, root, numel], dtype=torch.int64)
+        if tensor is not None:
+            dtype_code(tensor.dtype, where=op)
+        mine = torch.tensor(agreement.record(op, tensor, numel, redop=redop, root=root, key=key), dtype=torch.int64)
+        everyone = self._share(op, mine)
+        if not all(torch.equal(theirs, mine) for theirs in everyone):
+            raise agreement.disagreement(op if key is None else key.op, [theirs.tolist() for theirs in everyone])
+
+    def share(self, op: str, mine: torch.Tensor) -> list[torch.Tensor]:
+        """Collective: every rank's `mine` (a small tensor of one shape and dtype
+        on all ranks) by one all-gather, bounded by the timeout. For an agreement
+        step of a caller above this transport (hierarchical.py)."""
+        with self._gate.call(op):
+            if self._link.broken:
+                raise RuntimeError(f"{op}: rank {self.rank}: the group is unusable after an earlier failure: "
+                                   f"{self._link.broken}")
+            return self._share(op, mine)
+
+    def _share(self, op: str, mine: torch.Tensor) -> list[torch.Tensor]:
         everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
         what = f"comparing the call with all ranks{self._link.neighbours}"
         self._link.wait(self._link.run(lambda: self.pg.allgather([everyone], [mine]), op, 0, what), op, 0, what)
-        bad = [r for r, theirs in enumerate(everyone) if not torch.equal(theirs, mine)]
-        if bad:
-            calls = {r: everyone[r].tolist() for r in range(self.world_size)}
-            raise ValueError(
-                f"{op}: ranks disagree on the call (kind, dtype, op, root, numel): rank {self.rank} has "
-                f"{mine.tolist()}, ranks {bad} differ; all calls: {calls}"
-            )
+        return everyone
 
-    # compare: the numel the ranks compare instead of this call's (a pipelined
-    # call's first piece compares the whole call's), SKIP for none (a later piece).
+    # agreed: the caller has compared the call across ranks already (the
+    # hierarchical transport's agreement step): no check of its own.
     def all_reduce(self, *, output: torch.Tensor, input: torch.Tensor, op: ReduceOp,
-                   compare: int | None = None) -> None:
+                   agreed: bool = False) -> None:
         with self._gate.call("all_reduce"):
             input, output = input.view(-1), output.view(-1)
-            self._check_call("all_reduce", input, _or(compare, input.numel()), redop=int(op), compare=compare)
+            self._check_call("all_reduce", input, input.numel(), redop=int(op), agreed=agreed)
             chunks = schedule.chunk_bounds(input.numel(), self.world_size)
             own = chunks[self.rank]
             # In place is safe: the ring writes output's own chunk only in its last step,
@@ -278,40 +293,42 @@ class TorchDistTransport:
             ring.all_gather(self._link, output, chunks, self._segment_numel(output), name="all_reduce")
 
     def reduce_scatter(self, *, output: torch.Tensor, input: torch.Tensor, op: ReduceOp,
-                       compare: int | None = None) -> None:
+                       agreed: bool = False) -> None:
         with self._gate.call("reduce_scatter"):
             input, output = input.view(-1), output.view(-1)
-            self._check_call("reduce_scatter", input, _or(compare, output.numel()), redop=int(op), compare=compare)
+            self._check_call("reduce_scatter", input, output.numel(), redop=int(op), agreed=agreed)
             chunks = schedule.equal_chunks(output.numel(), self.world_size)
             ring.reduce_scatter(self._link, output=output, input=input, chunks=chunks, op=op,
                                 segment_numel=self._segment_numel(input), scratch=self._scratch)
 
-    def all_gather(self, *, output: torch.Tensor, input: torch.Tensor, compare: int | None = None) -> None:
+    def all_gather(self, *, output: torch.Tensor, input: torch.Tensor, agreed: bool = False,
+                   key: CallKey | None = None) -> None:
         with self._gate.call("all_gather"):
             input, output = input.view(-1), output.view(-1)
-            self._check_call("all_gather", input, _or(compare, input.numel()), compare=compare)
+            self._check_call("all_gather", input, input.numel(), agreed=agreed, key=key)
             chunks = schedule.equal_chunks(input.numel(), self.world_size)
             own = output[chunks[self.rank].begin:chunks[self.rank].end]
             if own.data_ptr() != input.data_ptr():
                 own.copy_(input)
             ring.all_gather(self._link, output, chunks, self._segment_numel(output))
 
-    def all_to_all(self, *, output: torch.Tensor, input: torch.Tensor) -> None:
+    def all_to_all(self, *, output: torch.Tensor, input: torch.Tensor, agreed: bool = False,
+                   key: CallKey | None = None) -> None:
         """Chunk p of input to rank p, chunk p of output from rank p: world_size - 1
         pairwise steps (step k: to rank + k, from rank - k), each bounded by the timeout."""
         with self._gate.call("all_to_all"):
             input, output = input.view(-1), output.view(-1)
             chunk = output.numel() // self.world_size
-            self._check_call("all_to_all", input, chunk)
+            self._check_call("all_to_all", input, chunk, agreed=agreed, key=key)
             out, inp = output.view(self.world_size, chunk), input.view(self.world_size, chunk)
             out[self.rank].copy_(inp[self.rank])
             for k in range(1, self.world_size if chunk else 1):
                 to, source = (self.rank + k) % self.world_size, (self.rank - k) % self.world_size
                 self._link.exchange(inp[to], to, out[source], source, op="all_to_all", step=k)
 
-    def broadcast(self, tensor: torch.Tensor, root: int) -> None:
+    def broadcast(self, tensor: torch.Tensor, root: int, agreed: bool = False) -> None:
         with self._gate.call("broadcast"):
-            self._check_call("broadcast", tensor, tensor.numel(), root=root)
+            self._check_call("broadcast", tensor, tensor.numel(), root=root, agreed=agreed)
             if self.world_size > 1 and tensor.numel() > 0:
                 options = dist.BroadcastOptions()
                 options.rootRank = root
@@ -348,5 +365,33 @@ class TorchDistTransport:
         self.pg = None
 
 
-def _or(compare: int | None, numel: int) -> int:
-    return numel if compare is None else compare
+def open_torch_dist(store: dist.Store, rank: int, world_size: int, timeout_s: float, options: TorchDistOptions, *,
+                    fallback: str = "") -> tuple[TorchDistTransport, dist.ProcessGroup]:
+    """Collective: a torch_dist transport on a new gloo group made on `store`;
+    the caller owns (and shuts down) the returned process group. `fallback`:
+    why this flat ring stands in for a hierarchical transport."""
+    rendezvous.check_in(store, "torch_dist/arrived", rank, world_size, timeout_s, SETUP)
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world_size, timedelta(seconds=timeout_s))
+    try:
+        diagnosis_store = dist.PrefixStore("torch_dist/", store)
+        transport = (FlatFallback(pg, timeout_s, options, diagnosis_store, fallback) if fallback
+                     else TorchDistTransport(pg, timeout_s, options, diagnosis_store))
+        rendezvous.check_in(store, "torch_dist/ready", rank, world_size, timeout_s, SETUP)
+        transport.learn_peers()
+    except BaseException:
+        pg.shutdown()
+        raise
+    return transport, pg
+
+
+class FlatFallback(TorchDistTransport):
+    """The flat torch_dist ring, used where hierarchical was asked for but the
+    placement does not allow it; describe() says why."""
+
+    def __init__(self, pg: dist.ProcessGroup, timeout_s: float, options: TorchDistOptions, store: dist.Store,
+                 reason: str) -> None:
+        super().__init__(pg, timeout_s, options, store)
+        self.reason = reason
+
+    def describe(self) -> str:
+        return f"torch_dist (flat ring; not hierarchical because {self.reason})"
