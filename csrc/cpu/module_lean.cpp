@@ -162,19 +162,6 @@ bool read_ints(PyObject* const* args, int first, int count, int64_t* ints) {
   return true;
 }
 
-// Calls `call(comm, ints, timeout_s)` for args (capsule, int x num_ints, timeout_s).
-template <int num_ints, typename Call>
-PyObject* pointer_call(const char* name, PyObject* const* args, Py_ssize_t nargs, Call call) {
-  if (!check_nargs(name, nargs, num_ints + 2)) return nullptr;
-  ShmComm* comm = comm_of(args[0]);
-  int64_t ints[num_ints];
-  if (comm == nullptr || !read_ints(args, 1, num_ints, ints)) return nullptr;
-  const double timeout_s = PyFloat_AsDouble(args[num_ints + 1]);
-  if (timeout_s == -1.0 && PyErr_Occurred()) return nullptr;
-  if (!run_released([&] { call(*comm, ints, timeout_s); })) return nullptr;
-  Py_RETURN_NONE;
-}
-
 // Reads a caller's key: a list or tuple of kCallKeyLen ints, or an empty one for none.
 bool read_key(PyObject* object, CallKey* key) {
   const Ref sequence(PySequence_Fast(object, "key must be a list or tuple of ints"));
@@ -194,16 +181,38 @@ bool read_key(PyObject* object, CallKey* key) {
   return true;
 }
 
+// Reads the args of a pointer call, (capsule, int x num_ints, [key,] timeout_s):
+// with a key when `key` is not null.
+bool read_call(const char* name, PyObject* const* args, Py_ssize_t nargs, int num_ints, ShmComm** comm,
+               int64_t* ints, CallKey* key, double* timeout_s) {
+  const int key_args = key != nullptr ? 1 : 0;
+  if (!check_nargs(name, nargs, num_ints + 2 + key_args)) return false;
+  *comm = comm_of(args[0]);
+  if (*comm == nullptr || !read_ints(args, 1, num_ints, ints)) return false;
+  if (key != nullptr && !read_key(args[num_ints + 1], key)) return false;
+  *timeout_s = PyFloat_AsDouble(args[num_ints + 1 + key_args]);
+  return !(*timeout_s == -1.0 && PyErr_Occurred());
+}
+
+// Calls `call(comm, ints, timeout_s)` for args (capsule, int x num_ints, timeout_s).
+template <int num_ints, typename Call>
+PyObject* pointer_call(const char* name, PyObject* const* args, Py_ssize_t nargs, Call call) {
+  ShmComm* comm;
+  int64_t ints[num_ints];
+  double timeout_s;
+  if (!read_call(name, args, nargs, num_ints, &comm, ints, nullptr, &timeout_s)) return nullptr;
+  if (!run_released([&] { call(*comm, ints, timeout_s); })) return nullptr;
+  Py_RETURN_NONE;
+}
+
 // Calls `call(comm, ints, key, timeout_s)` for args (capsule, int x num_ints, key, timeout_s).
 template <int num_ints, typename Call>
 PyObject* keyed_call(const char* name, PyObject* const* args, Py_ssize_t nargs, Call call) {
-  if (!check_nargs(name, nargs, num_ints + 3)) return nullptr;
-  ShmComm* comm = comm_of(args[0]);
+  ShmComm* comm;
   int64_t ints[num_ints];
   CallKey key;
-  if (comm == nullptr || !read_ints(args, 1, num_ints, ints) || !read_key(args[num_ints + 1], &key)) return nullptr;
-  const double timeout_s = PyFloat_AsDouble(args[num_ints + 2]);
-  if (timeout_s == -1.0 && PyErr_Occurred()) return nullptr;
+  double timeout_s;
+  if (!read_call(name, args, nargs, num_ints, &comm, ints, &key, &timeout_s)) return nullptr;
   if (!run_released([&] { call(*comm, ints, key, timeout_s); })) return nullptr;
   Py_RETURN_NONE;
 }
