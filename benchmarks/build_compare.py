@@ -19,6 +19,8 @@ import subprocess
 import sys
 import tempfile
 
+from machine import write_json
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # name: (script and arguments, how to read {cell: speed, higher is better} from its JSON)
 BENCHMARKS = {
@@ -61,7 +63,7 @@ def main(argv: list[str] | None = None) -> dict:
         p.error(f"--benchmarks: unknown {unknown}; choose from {list(BENCHMARKS)}")
     trees = {"dispatched": ROOT, "native": os.path.abspath(args.native)}
     builds = {kind: capability(tree) for kind, tree in trees.items()}
-    print(f"# builds: " + "; ".join(f"{kind}: kernels {b.split()[0]}, -march={b.split()[1]}" for kind, b in builds.items()))
+    print("# builds: " + "; ".join(f"{kind}: kernels {b.split()[0]}, -march={b.split()[1]}" for kind, b in builds.items()))
     with open("/proc/loadavg") as f:
         print(f"# loadavg at start {' '.join(f.read().split()[:3])}")
     samples: dict[str, dict[str, dict[str, list[float]]]] = {n: {k: {} for k in trees} for n in chosen}
@@ -86,9 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name:<10} {len(values):>5} {statistics.median(values):>25.3f} {values[0]:>7.3f}-{values[-1]:.3f} "
               f"{per_round[0]:>9.3f}-{per_round[-1]:.3f}")
         report["benchmarks"][name] = {"ratios": ratios, "round_ratios": per_round, "samples": by_kind}
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(report, f, indent=1)
+    write_json(args.json, report)
     return report
 
 

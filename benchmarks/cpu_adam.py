@@ -16,7 +16,6 @@ multi-threaded read+write stream). Writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -27,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from machine import cpu_line  # noqa: E402
+from machine import cpu_line, write_json  # noqa: E402
 from zero.offload import host_adam  # noqa: E402
 
 # bytes read + written per parameter: norm (read grad 4); a fused Adam pass (grad
@@ -153,9 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{numel / 1e6:.0f}M: DeepSpeed / engine = {speedups[numel]:.2f}x")
     report = {"threads": args.threads, "stream_gbps": bandwidth, "rows": rows,
               "deepspeed_over_engine": {str(k): v for k, v in speedups.items()}}
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(report, f, indent=1)
+    write_json(args.json, report)
     return report
 
 

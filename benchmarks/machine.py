@@ -1,8 +1,17 @@
 """The CPU a benchmark ran on, and the build of ringcomm's kernels it used, for
-the benchmarks' headers and JSON."""
+the benchmarks' headers and JSON; and where the JSON goes."""
 from __future__ import annotations
 
+import json
+import os
 import platform
+
+
+def write_json(path: str, report: object) -> None:
+    """`report` as JSON at `path`, its folder made if missing."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
 
 
 def cpu_model() -> str:

@@ -20,7 +20,6 @@ per transport (hierarchical: half the ranks on each of two simulated hosts): the
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -32,7 +31,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import quant_reference as ref  # noqa: E402
 from launch import launch  # noqa: E402
-from machine import cpu_line  # noqa: E402
+from machine import cpu_line, write_json  # noqa: E402
 import torch  # noqa: E402
 
 from ringcomm import quant  # noqa: E402
@@ -142,9 +141,7 @@ def time_collectives(args: argparse.Namespace) -> None:
                       f"{row['us']:10.1f} us", flush=True)
         group.close()
     if rank == 0 and args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"results": results}, f, indent=2)
+        write_json(args.json, {"results": results})
 
 
 def print_row(row: dict) -> None:
@@ -168,9 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{'memcpy':>8} {'/memcpy':>7} {'/touched':>8}   (GB/s of the float side)")
     report = {"loadavg": loadavg, "torch_threads": torch.get_num_threads(), "results": measure(args)}
     if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json(args.json, report)
     return report
 
 

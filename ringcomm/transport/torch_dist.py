@@ -249,9 +249,7 @@ class TorchDistTransport:
         """All ranks must call the same op on the same dtype and sizes, and with
         the same caller's key; a mismatch would otherwise pair unequal messages
         ([Note: call agreement]). Costs one small all-gather."""
-        if self._link.broken:
-            raise RuntimeError(f"{op}: rank {self.rank}: the group is unusable after an earlier failure: "
-                               f"{self._link.broken}")
+        self._refuse_if_broken(op)
         if self.world_size == 1 or agreed or not (always or self.options.check_calls):
             return
         if tensor is not None:
@@ -266,10 +264,13 @@ class TorchDistTransport:
         on all ranks) by one all-gather, bounded by the timeout. For an agreement
         step of a caller above this transport (hierarchical.py)."""
         with self._gate.call(op):
-            if self._link.broken:
-                raise RuntimeError(f"{op}: rank {self.rank}: the group is unusable after an earlier failure: "
-                                   f"{self._link.broken}")
+            self._refuse_if_broken(op)
             return self._share(op, mine)
+
+    def _refuse_if_broken(self, op: str) -> None:
+        if self._link.broken:
+            raise RuntimeError(f"{op}: rank {self.rank}: the group is unusable after an earlier failure: "
+                               f"{self._link.broken}")
 
     def _share(self, op: str, mine: torch.Tensor) -> list[torch.Tensor]:
         everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
