@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions
 
-from . import backend_ops, collectives, profiling, recorder
+from . import backend_ops, collectives, dynamo, profiling, recorder
 from .backend_work import (accelerated_redop, accelerates, backend_work, finished_work, is_async, on_cuda, takes,
                            use_comm_thread, wait_forwarded)
 from .forwarding import ForwardingGloo
@@ -331,3 +331,4 @@ def register_backend() -> None:
 
 
 register_backend()  # on import: `import ringcomm` makes dist.init_process_group("ringcomm") work
+dynamo.skip_in_dynamo()  # and under torch.compile, torch's calls into the backend run eagerly
