@@ -23,9 +23,9 @@ REPO = os.path.dirname(HERE)
 SCRIPT = os.path.join(HERE, "hf_trainer_script.py")
 STEPS = 3
 
-# What `accelerate launch` needs for 2 processes on a CPU-only host: Accelerate's
-# multi-process launcher is chosen by MULTI_GPU (MULTI_CPU launches through mpirun
-# only), and use_cpu keeps the processes on the CPU (ACCELERATE_USE_CPU).
+# What `accelerate launch` needs for 2 processes on a CPU-only host: MULTI_GPU
+# chooses torchrun's launcher (MULTI_CPU starts one process, or mpirun with a
+# hostfile), and use_cpu keeps the processes on the CPU (ACCELERATE_USE_CPU).
 ACCELERATE_CONFIG = """\
 compute_environment: LOCAL_MACHINE
 distributed_type: MULTI_GPU
