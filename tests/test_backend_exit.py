@@ -16,7 +16,9 @@ import tempfile
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NUM_LAUNCHES = int(os.environ.get("RINGCOMM_EXIT_LAUNCHES", "2"))  # per mode; more for a soak
+# Per mode. Without the fix, 7 of 12 ranks aborted in 6 launches without destroy,
+# and 3 of 3 launches with it; RINGCOMM_EXIT_LAUNCHES=20 makes a soak.
+NUM_LAUNCHES = int(os.environ.get("RINGCOMM_EXIT_LAUNCHES", "1"))
 
 # The gloo worker frees the work's 64 MB tensors one by one: while it frees the
 # first, the main thread drops the others (so freeing them takes the GIL) and
