@@ -4,7 +4,9 @@ runs a gloo-forwarded all_gather (uint8), drops its tensors and exits at once,
 with and without destroy_process_group (the group kept alive after it, as FSDP2's
 DeviceMesh and Accelerate keep it). Every process must exit 0. The same script
 on plain gloo aborts ("terminate called without an active exception") in most
-runs: that is the reference showing the script reaches the race."""
+runs: that is the reference showing the script reaches the race. And in one
+process, the same teardown many times: destroying a group joins the gloo workers
+of its forwarded calls, even while the group object lives on."""
 from __future__ import annotations
 
 import os
@@ -14,6 +16,9 @@ import sys
 import tempfile
 
 import pytest
+import torch
+import torch.distributed as dist
+from harness import run_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Per mode. Without the fix, 7 of 12 ranks aborted in 6 launches without destroy,
@@ -92,3 +97,40 @@ def test_plain_gloo_reaches_the_race(script: str) -> None:
     codes = [code for _ in range(2) for code, _ in launch(script, "gloo", "exit")]
     assert any(code != 0 for code in codes), \
         f"plain gloo exited cleanly in every launch ({codes}): the script no longer reaches the exit race"
+
+
+def gloo_workers() -> int:
+    """This process's gloo worker threads (ProcessGroupGloo names them pt_gloo_runloop)."""
+    count = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as file:
+                count += file.read().strip() == "pt_gloo_runloop"
+        except FileNotFoundError:  # a thread that ended while listed
+            pass
+    return count
+
+
+def teardown_worker(rank: int, world_size: int, cycles: int) -> list[int]:
+    """`cycles` times: a ringcomm group, a forwarded all_gather, destroy_process_group
+    with the group kept alive (as DeviceMesh keeps it). The destroy must join the
+    workers of the gloo group of forwarded calls (gloo's default: 2 threads); the
+    backend registered for "cpu" keeps its idle ones as long as the C++ group lives.
+    Returns how many workers each destroy joined."""
+    kept, joined = [], []
+    for cycle in range(cycles):
+        pg = dist.new_group(backend="ringcomm")
+        outputs = [torch.empty(3, dtype=torch.uint8) for _ in range(world_size)]
+        dist.all_gather(outputs, torch.full((3,), rank, dtype=torch.uint8), group=pg)  # uint8: forwarded
+        assert [o.tolist() for o in outputs] == [[r] * 3 for r in range(world_size)], f"rank {rank}: {outputs}"
+        kept.append(pg)
+        before = gloo_workers()
+        dist.destroy_process_group(pg)
+        joined.append(before - gloo_workers())
+    return joined
+
+
+@pytest.mark.timeout(120)
+def test_destroy_joins_forwarded_workers_many_times() -> None:
+    for rank, joined in enumerate(run_ranks(teardown_worker, 2, 20, timeout=100)):
+        assert joined == [2] * 20, f"rank {rank}: gloo workers joined by each destroy_process_group: {joined}"
