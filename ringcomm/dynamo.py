@@ -36,7 +36,8 @@ class _SkipOnLoad(importlib.abc.MetaPathFinder):
     """Finds nothing itself: for trace_rules, hands out the path finder's spec
     with a loader that adds ringcomm once the module ran; then leaves meta_path."""
 
-    def find_spec(self, name: str, path: Sequence[str] | None, target: types.ModuleType | None = None):
+    def find_spec(self, name: str, path: Sequence[str] | None,
+                  target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         if name != TRACE_RULES:
             return None
         sys.meta_path.remove(self)
@@ -56,3 +57,7 @@ class _AddRingcommAfter(importlib.abc.Loader):
     def exec_module(self, module: types.ModuleType) -> None:
         self._loader.exec_module(module)
         module.add("ringcomm")
+
+    def __getattr__(self, name: str) -> object:
+        """The rest of the path finder's loader (get_source, get_filename, ...)."""
+        return getattr(self._loader, name)

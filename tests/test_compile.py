@@ -7,10 +7,14 @@ Each is checked against the same thing on gloo, and against eager where the
 compiled code is the only difference. Compiled DDP calls the backend from C++
 inside the compiled region (its bucket rebuild), which dynamo must not trace
 ([Note: ringcomm under dynamo] in ringcomm/dynamo.py). One spawn of 2 ranks runs
-every case: about 9 s with inductor's cache warm, 21 s cold, on 2 cores."""
+every case: about 9 s with inductor's cache warm, 21 s cold, on 2 cores (slow tier).
+A fast test checks that dynamo, loaded after ringcomm, skips it."""
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -166,3 +170,23 @@ def test_compile_on_ringcomm(tmp_path) -> None:
             # an ulp per step that 3 Adam steps (lr 1e-3) keep below 1e-6.
             assert diff["vs compiled gloo"] == 0.0, f"rank {rank}: compiled {name}: {diff}"
             assert diff["vs eager gloo"] <= 1e-6, f"rank {rank}: compiled {name}: {diff}"
+
+
+SKIP_CHECK = """
+import sys, ringcomm
+assert "torch._dynamo" not in sys.modules, "import ringcomm loaded dynamo (seconds)"
+import torch._dynamo.trace_rules as rules
+result = rules.check_file(ringcomm.process_group.__file__)
+assert result.skipped, result
+print("skipped:", result.reason)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_dynamo_skips_ringcomm_when_it_loads_later() -> None:
+    """[Note: ringcomm under dynamo]: ringcomm does not import dynamo, and dynamo,
+    loaded later, skips ringcomm's files."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", SKIP_CHECK], env={**os.environ, "PYTHONPATH": repo},
+                          capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0 and "skipped:" in proc.stdout, f"{proc.stdout}\n{proc.stderr[-3000:]}"
