@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import math
 import os
 import shutil
@@ -420,10 +421,26 @@ def test_zero_writes_deepspeed_optimizer_layouts(runs, saved: tuple[int, str], s
                   for state in base["state"].values()]
         return groups + states if exact else [sorted(k for k, *_ in keys) for keys in groups + states]
 
+    from zero.checkpoint import to_deepspeed
+
+    root, script = runs["root"], load_script("zero")
     for optimizer in optimizers(saved):
-        ours = layout(path(os.path.join(runs["root"], "zero2ds"), stage, optimizer), optimizer != TORCH)
-        theirs = layout(path(os.path.join(runs["root"], "deepspeed"), stage, optimizer), optimizer != TORCH)
+        ours = layout(path(os.path.join(root, "zero2ds"), stage, optimizer), optimizer != TORCH)
+        theirs = layout(path(os.path.join(root, "deepspeed"), stage, optimizer), optimizer != TORCH)
         assert ours == theirs, f"stage {stage}, {optimizer}: zero writes {ours}, DeepSpeed saves {theirs}"
+    # zero's run with torch_adam, converted for the config DeepSpeed resumes with (--ds-config), or its optimizer
+    ran_torch = path(os.path.join(root, "zero"), stage)
+    config = script.config(stage, "fp32")
+    del config["optimizer"]["params"]["torch_adam"]
+    config_file = os.path.join(root, f"ds_config_{stage}.json")
+    with open(config_file, "w") as f:
+        json.dump(config, f)
+    to_deepspeed.main([ran_torch, os.path.join(root, f"for_config_{stage}"), "--ds-config", config_file])
+    to_deepspeed.convert(ran_torch, os.path.join(root, f"for_cpu_adam_{stage}"), optimizer=CPU_ADAM)
+    for optimizer, converted in ((FUSED, f"for_config_{stage}"), (CPU_ADAM, f"for_cpu_adam_{stage}")):
+        ours = layout(os.path.join(root, converted), True)
+        theirs = layout(path(os.path.join(root, "deepspeed"), stage, optimizer), True)
+        assert ours == theirs, f"stage {stage}, torch_adam run for {optimizer}: zero writes {ours}, DeepSpeed {theirs}"
 
 
 @pytest.mark.slow
