@@ -87,13 +87,14 @@ def built_by(config: dict | None) -> str | None:
 
 
 def config_for(name: str, adamw: bool) -> dict:
-    """The DeepSpeed config sections that build `name` (built_by's inverse)."""
-    kind = "AdamW" if adamw else "Adam"
+    """The DeepSpeed config sections that build `name` (built_by's inverse);
+    `adamw`: FusedAdam's or DeepSpeedCPUAdam's adamw_mode."""
     if name in ("torch.optim.Adam", "torch.optim.AdamW"):
-        return {"optimizer": {"type": kind, "params": {"torch_adam": True, "adam_w_mode": adamw}}}
+        kind = name.removeprefix("torch.optim.")
+        return {"optimizer": {"type": kind, "params": {"torch_adam": True, "adam_w_mode": kind == "AdamW"}}}
     if is_torch(name):
         return {"optimizer": {"type": name.removeprefix("torch.optim.")}}
-    config = {"optimizer": {"type": kind, "params": {"adam_w_mode": adamw}}}
+    config = {"optimizer": {"type": "AdamW" if adamw else "Adam", "params": {"adam_w_mode": adamw}}}
     return config | ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}} if name == CPU_ADAM else {})
 
 
