@@ -1,0 +1,66 @@
+"""Point-to-point messages over the shared-memory transport: the Python face of
+the channels in csrc/cpu/shm_p2p*.cpp ([Note: p2p channels])."""
+from __future__ import annotations
+
+import torch
+
+from .. import _C
+
+
+class ShmRequest:
+    """One send or receive on the channels. It holds its tensor until it ends,
+    so a buffer handed over for a send outlives it however the caller drops it."""
+
+    __slots__ = ("_comm", "_request", "_tensor", "_timeout_s")
+
+    def __init__(self, comm: _C.ShmComm, request: _C.P2pRequest, tensor: torch.Tensor, timeout_s: float) -> None:
+        self._comm = comm
+        self._request = request
+        self._tensor: torch.Tensor | None = tensor
+        self._timeout_s = timeout_s
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Makes progress until it ends (None: the group's timeout); raises its
+        error: ValueError for sizes that differ, RuntimeError for a failure."""
+        if not self._request.done:
+            self._comm.p2p_wait(self._request, self._timeout_s if timeout_s is None else timeout_s)
+        self._raise_error()
+        self._tensor = None
+
+    def is_completed(self) -> bool:
+        """Whether it ended (one round of progress first, as MPI_Test)."""
+        return self._request.done or self._comm.p2p_test(self._request)
+
+    def exception(self) -> BaseException | None:
+        if not self._request.done or not self._request.error:
+            return None
+        return (ValueError if self._request.caller_error else RuntimeError)(self._request.error)
+
+    def _raise_error(self) -> None:
+        error = self.exception()
+        if error is not None:
+            raise error
+
+    @property
+    def source(self) -> int:
+        """A receive's sender (group rank), once matched; -1 before."""
+        return self._request.source
+
+
+class ShmPointToPoint:
+    """Sends and receives between the ranks of a shared-memory group: any bytes
+    (the caller passes contiguous CPU tensors), matched by source and tag in send
+    order; an eager send that fits the channel ends when posted."""
+
+    def __init__(self, comm: _C.ShmComm, timeout_s: float) -> None:
+        self._comm = comm
+        self.timeout_s = timeout_s
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> ShmRequest:
+        request = self._comm.p2p_isend(tensor.data_ptr(), tensor.nbytes, dst, tag)
+        return ShmRequest(self._comm, request, tensor, self.timeout_s)
+
+    def irecv(self, tensor: torch.Tensor, src: int | None, tag: int) -> ShmRequest:
+        """src None: from any source (ShmRequest.source says which)."""
+        request = self._comm.p2p_irecv(tensor.data_ptr(), tensor.nbytes, -1 if src is None else src, tag)
+        return ShmRequest(self._comm, request, tensor, self.timeout_s)
