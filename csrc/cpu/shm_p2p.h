@@ -1,7 +1,8 @@
 // Point-to-point messages between the ranks of one host (send, recv, recv from
 // any source) in a region of the group's shared segment: one channel per
 // ordered pair of ranks. The protocol is explained once, at [Note: p2p
-// channels] in shm_p2p.cpp; waits, failures and liveness are in shm_p2p_wait.cpp.
+// channels] in shm_p2p.cpp (posting, sending); shm_p2p_recv.cpp receives and
+// matches; waits, failures and liveness are in shm_p2p_wait.cpp.
 #pragma once
 
 #include <atomic>
@@ -133,7 +134,7 @@ class P2pChannels {
     int64_t remaining = 0;            // bytes of it still to come
   };
 
-  // The protocol (shm_p2p.cpp); callers hold mutex_.
+  // The protocol (shm_p2p.cpp: sending; shm_p2p_recv.cpp: receiving); callers hold mutex_.
   void progress();
   void push_sends(int peer);
   bool rendezvous_send(const P2pRequest& send, int peer) const;

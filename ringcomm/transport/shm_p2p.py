@@ -28,8 +28,14 @@ class ShmRequest:
         self._tensor = None
 
     def is_completed(self) -> bool:
-        """Whether it ended (one round of progress first, as MPI_Test)."""
-        return self._request.done or self._comm.p2p_test(self._request)
+        """Whether it ended (one round of progress first, as MPI_Test); never
+        raises: a closed group's pending request stays pending (wait says why)."""
+        if self._request.done:
+            return True
+        try:
+            return self._comm.p2p_test(self._request)
+        except RuntimeError:
+            return False
 
     def exception(self) -> BaseException | None:
         if not self._request.done or not self._request.error:
