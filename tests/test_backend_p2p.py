@@ -338,11 +338,13 @@ def dist_worker(rank: int, world_size: int) -> dict:
     from ringcomm.backend_p2p import ForwardedPointToPoint
     from ringcomm.transport.shm_p2p import ShmPointToPoint
 
-    groups = {"gloo": dist.new_group(backend="gloo"), "ringcomm": dist.new_group(backend="ringcomm")}
+    timeout = timedelta(seconds=20)  # a bug that hangs fails within it, not at the harness's deadline
+    groups = {"gloo": dist.new_group(backend="gloo", timeout=timeout),
+              "ringcomm": dist.new_group(backend="ringcomm", timeout=timeout)}
     for name, env in (("ringcomm staged", {"RINGCOMM_CMA": "0"}), ("ringcomm torch_dist", {"RINGCOMM_TRANSPORT": "torch_dist"})):
         os.environ.update(env)
         try:
-            groups[name] = dist.new_group(backend="ringcomm")
+            groups[name] = dist.new_group(backend="ringcomm", timeout=timeout)
         finally:
             for key in env:
                 del os.environ[key]
@@ -350,7 +352,7 @@ def dist_worker(rank: int, world_size: int) -> dict:
     assert isinstance(groups["ringcomm torch_dist"]._p2p, ForwardedPointToPoint), f"rank {rank}"
     results = {name: checked_cases(group, rank, world_size, name) for name, group in groups.items()}
     mismatch = mismatch_case(groups["ringcomm"], rank)
-    pairs = {name: dist.new_group([0, 1], backend=backend) for name, backend in (("gloo", "gloo"), ("ringcomm", "ringcomm"))}
+    pairs = {name: dist.new_group([0, 1], backend=name, timeout=timeout) for name in ("gloo", "ringcomm")}
     losses = {}
     if rank < 2:
         for schedule_name in ("gpipe", "1f1b"):
