@@ -1,5 +1,6 @@
 """Point-to-point on the "ringcomm" backend ([Note: p2p channels] in
-csrc/cpu/shm_p2p.cpp). Three spawns, the cases swept inside each:
+csrc/cpu/shm_p2p.cpp). The options' memory bound (no process), then three
+spawns, the cases swept inside each:
 - channels: one segment mapped once per rank in one process, driven by one
   thread through p2p_test (sizes 0, 1, odd, more than a slot and than a
   channel, staged and by CMA; tags interleaved; both ranks sending first; any
@@ -28,6 +29,26 @@ TIMEOUT_S = 5.0
 STAGED = dict(p2p_slot_nbytes=256, p2p_num_slots=2)  # a channel holds 512 bytes
 BY_CMA = dict(p2p_slot_nbytes=256, p2p_num_slots=2, p2p_cma_min_nbytes=300)  # > 300 B: read from the sender
 SIZES = (0, 1, 7, 255, 256, 257, 1001, 4099)  # bytes: empty, one, odd, a slot -1/+1, several slots and channels
+
+
+# ---- tier 0: options, no processes ----------------------------------------------------------------
+def test_p2p_slots_shrink_to_fit_the_memory_bound():
+    from ringcomm import ShmOptions
+    from ringcomm.transport.shm import P2P_MIN_SLOT_NBYTES
+
+    options = ShmOptions()
+    for world_size in range(1, 65):
+        nbytes = options.p2p_slot_nbytes_for(world_size)
+        total = world_size * (world_size - 1) * options.p2p_num_slots * nbytes
+        assert nbytes % 64 == 0 and P2P_MIN_SLOT_NBYTES <= nbytes <= options.p2p_slot_nbytes, (world_size, nbytes)
+        assert total <= options.p2p_max_nbytes or nbytes == P2P_MIN_SLOT_NBYTES, (world_size, nbytes, total)
+        assert nbytes * 2 > options.p2p_slot_nbytes or total * 2 > options.p2p_max_nbytes, (world_size, nbytes)
+    assert options.p2p_slot_nbytes_for(2) == 128 << 10 and options.p2p_slot_nbytes_for(8) == 64 << 10
+    assert ShmOptions(p2p_slot_nbytes=256).p2p_slot_nbytes_for(64) == 256  # never grows
+    for bad, error in (({"p2p_slot_nbytes": 100}, ValueError), ({"p2p_num_slots": 1}, ValueError),
+                       ({"p2p_cma_min_nbytes": -1}, ValueError), ({"p2p_max_nbytes": 1.5}, TypeError)):
+        with pytest.raises(error, match=f"ShmOptions: {next(iter(bad))}="):
+            ShmOptions(**bad)
 
 
 # ---- tier 1: the channels, one process ------------------------------------------------------------
