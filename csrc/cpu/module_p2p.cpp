@@ -15,6 +15,8 @@ void add_p2p_bindings(py::module_& m, py::class_<ShmComm, std::shared_ptr<ShmCom
                                                       "one send or receive on the shared-memory channels")
       .def_property_readonly("done", [](const P2pRequest& r) { return r.state() != P2pRequest::Status::kPending; },
                              "whether it ended (successfully or not)")
+      .def_property_readonly("succeeded", [](const P2pRequest& r) { return r.state() == P2pRequest::Status::kDone; },
+                             "whether it ended without an error")
       .def_property_readonly("error", [](const P2pRequest& r) {
              return r.state() == P2pRequest::Status::kFailed ? r.error : std::string();
            }, "why it failed ('' unless it did)")

@@ -22,9 +22,7 @@ class ShmRequest:
     def wait(self, timeout_s: float | None = None) -> None:
         """Makes progress until it ends (None: the group's timeout); raises its
         error: ValueError for sizes that differ, RuntimeError for a failure."""
-        if not self._request.done:
-            self._comm.p2p_wait(self._request, self._timeout_s if timeout_s is None else timeout_s)
-        self._raise_error()
+        self._comm.p2p_wait(self._request, self._timeout_s if timeout_s is None else timeout_s)
         self._tensor = None
 
     def is_completed(self) -> bool:
@@ -37,15 +35,14 @@ class ShmRequest:
         except RuntimeError:
             return False
 
+    def succeeded(self) -> bool:
+        """Whether it ended without an error (no progress made to find out)."""
+        return self._request.succeeded
+
     def exception(self) -> BaseException | None:
         if not self._request.done or not self._request.error:
             return None
         return (ValueError if self._request.caller_error else RuntimeError)(self._request.error)
-
-    def _raise_error(self) -> None:
-        error = self.exception()
-        if error is not None:
-            raise error
 
     @property
     def source(self) -> int:
