@@ -318,6 +318,23 @@ def checked_cases(group, rank: int, world_size: int, label: str) -> list:
     return results
 
 
+def dropped_isend(group, rank: int) -> bool:
+    """An isend whose Work and tensor the caller drops at once still delivers
+    (the transport keeps the tensor until the receiver read it)."""
+    if rank == 0:
+        dist.isend(torch.full((1 << 18,), 3.0), 1, group=group)  # 1 MiB: by CMA, read later from this rank
+        [torch.empty(1 << 18).fill_(-1.0) for _ in range(4)]  # what a freed buffer's memory would hold next
+        dist.barrier(group=group)
+        return True
+    if rank == 1:
+        dist.barrier(group=group)
+        out = torch.empty(1 << 18)
+        dist.recv(out, 0, group=group)
+        return bool((out == 3.0).all())
+    dist.barrier(group=group)
+    return True
+
+
 def mismatch_case(group, rank: int) -> str:
     if rank == 0:
         dist.send(torch.ones(4), 1, group=group)
@@ -373,6 +390,7 @@ def dist_worker(rank: int, world_size: int) -> dict:
     assert isinstance(groups["ringcomm torch_dist"]._p2p, ForwardedPointToPoint), f"rank {rank}"
     results = {name: checked_cases(group, rank, world_size, name) for name, group in groups.items()}
     mismatch = mismatch_case(groups["ringcomm"], rank)
+    assert dropped_isend(groups["ringcomm"], rank), f"rank {rank}: a dropped isend's data changed"
     pairs = {name: dist.new_group([0, 1], backend=name, timeout=timeout) for name in ("gloo", "ringcomm")}
     losses = {}
     if rank < 2:
