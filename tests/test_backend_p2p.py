@@ -123,6 +123,17 @@ def channel_tags_interleaved(comms, label: str) -> None:
         assert torch.equal(outs[i], sent[i]), f"{label}: message {i} (tag {tags[i]}, {sizes[i]} bytes)"
 
 
+def channel_many_outstanding(comms, label: str) -> None:
+    """More sends posted before any receive than a channel has rendezvous tickets
+    (kMaxRendezvous) or slots: the rest wait in order, and all arrive."""
+    sent = [random_bytes(400, seed=1000 + i) for i in range(150)]
+    sends = [comms[0].p2p_isend(t.data_ptr(), 400, 1, 1) for t in sent]
+    outs = [torch.zeros(400, dtype=torch.uint8) for _ in sent]
+    recvs = [comms[1].p2p_irecv(out.data_ptr(), 400, 0, 1) for out in outs]
+    drive(*[(comms[0], s) for s in sends], *[(comms[1], r) for r in recvs])
+    assert all(torch.equal(o, t) for o, t in zip(outs, sent)), label
+
+
 def channel_both_send_first(comms, label: str) -> None:
     """Both ranks post a send of several channels' worth, then their receive."""
     data = [random_bytes(3000, seed=7 + r) for r in range(2)]
@@ -215,7 +226,7 @@ def channels_worker(rank: int, world_size: int) -> dict:
     results = {}
     for label, p2p in (("staged", STAGED), ("cma", BY_CMA)):
         comms = make_comms(2, p2p)
-        for case in (channel_sizes_and_orders, channel_tags_interleaved, channel_both_send_first,
+        for case in (channel_sizes_and_orders, channel_tags_interleaved, channel_many_outstanding, channel_both_send_first,
                      channel_partly_arrived, channel_sizes_disagree):
             case(comms, label)
         channel_any_source(label, p2p)

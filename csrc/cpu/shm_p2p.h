@@ -19,8 +19,9 @@
 
 namespace ringcomm {
 
-// Rendezvous sends a channel may have outstanding (posted, not yet read).
-constexpr int kMaxRendezvous = 32;
+// Rendezvous sends a channel may have outstanding (posted, not yet read); the
+// next one waits, and the channel's later sends behind it (1 KiB a channel).
+constexpr int kMaxRendezvous = 128;
 
 // One send or receive from its post to its end. Python holds it (a
 // ringcomm._C.P2pRequest), and the channels hold it until it ends.
