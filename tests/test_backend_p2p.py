@@ -124,13 +124,20 @@ def channel_tags_interleaved(comms, label: str) -> None:
 
 
 def channel_many_outstanding(comms, label: str) -> None:
-    """More sends posted before any receive than a channel has rendezvous tickets
-    (kMaxRendezvous) or slots: the rest wait in order, and all arrive."""
+    """More sends than a channel has rendezvous tickets (kMaxRendezvous) or
+    slots, all drained by the receiver before it posts a receive: the rest wait
+    in order, and every one arrives and ends."""
     sent = [random_bytes(400, seed=1000 + i) for i in range(150)]
     sends = [comms[0].p2p_isend(t.data_ptr(), 400, 1, 1) for t in sent]
+    other = torch.zeros(1, dtype=torch.uint8)
+    unrelated = comms[1].p2p_irecv(other.data_ptr(), 1, 0, 2)
+    for _ in range(400):  # the receiver drains what comes as unexpected; the sender runs out of tickets
+        comms[0].p2p_test(sends[-1])
+        comms[1].p2p_test(unrelated)
     outs = [torch.zeros(400, dtype=torch.uint8) for _ in sent]
     recvs = [comms[1].p2p_irecv(out.data_ptr(), 400, 0, 1) for out in outs]
-    drive(*[(comms[0], s) for s in sends], *[(comms[1], r) for r in recvs])
+    last = comms[0].p2p_isend(other.data_ptr(), 1, 1, 2)
+    drive(*[(comms[0], s) for s in sends + [last]], *[(comms[1], r) for r in recvs + [unrelated]])
     assert all(torch.equal(o, t) for o, t in zip(outs, sent)), label
 
 
