@@ -74,11 +74,12 @@ class ShmPointToPoint:
 
     def _keep(self, request: _C.P2pRequest, tensor: torch.Tensor) -> ShmRequest:
         pending = self._pending
-        try:
-            while pending[0][0].done:  # mostly in order: the oldest end first
-                pending.popleft()
-        except IndexError:  # empty (or emptied by another thread posting)
-            pass
+        if pending:
+            try:
+                while pending[0][0].done:  # mostly in order: the oldest end first
+                    pending.popleft()
+            except IndexError:  # emptied (by another thread posting too)
+                pass
         if not request.done:
             pending.append((request, tensor))
         return ShmRequest(self._comm, request, self.timeout_s)
