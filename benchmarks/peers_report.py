@@ -6,7 +6,7 @@ import json
 import os
 import statistics
 
-from peers_cells import BEST_OF, DTYPE, PEERS, numel_for
+from peers_cells import BEST_OF, DTYPE, PEERS, POINT_TO_POINT, numel_for
 
 from ringcomm.schedule import bus_factor
 
@@ -28,11 +28,13 @@ def size_label(nbytes: int) -> str:
 
 
 def summarize(op: str, nbytes: int, cell: dict, world_size: int) -> dict:
-    """time_us and busbw (GB/s; memcpy: S / time) as median, min, max over rounds."""
+    """time_us and busbw (GB/s; memcpy: S / time) as median, min, max over rounds;
+    send_recv: the time of one message (half the round trip) and S / that time."""
     actual = numel_for(nbytes, world_size) * DTYPE.itemsize
-    factor = 1.0 if op == "copy" else bus_factor(op, world_size)
-    times = [s * 1e6 for s in cell["seconds"]]
-    rates = [actual * factor / s / 1e9 for s in cell["seconds"]]
+    messages = 2 if op in POINT_TO_POINT else 1
+    factor = 1.0 if op == "copy" or op in POINT_TO_POINT else bus_factor(op, world_size)
+    times = [s * 1e6 / messages for s in cell["seconds"]]
+    rates = [actual * factor * messages / s / 1e9 for s in cell["seconds"]]
     stat = lambda v: {"median": statistics.median(v), "min": min(v), "max": max(v)}  # noqa: E731
     return {"op": op, "nbytes": actual, "requested_nbytes": nbytes, "iters": cell["iters"], "wrong": cell["wrong"],
             "time_us": stat(times), "busbw": stat(rates), "seconds": cell["seconds"]}

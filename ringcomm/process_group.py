@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions
 
-from . import backend_ops, collectives, dynamo, profiling, recorder
+from . import backend_ops, backend_p2p, collectives, dynamo, profiling, recorder
 from .backend_work import (accelerated_redop, accelerates, backend_work, finished_work, is_async, on_cuda, takes,
                            use_comm_thread, wait_forwarded)
 from .forwarding import ForwardingGloo
@@ -38,9 +38,14 @@ STORE_PREFIX = "ringcomm-backend/"
 # group of their own ([Note: forwarded works at exit] in forwarding.py), but
 # run through the ringcomm group like its own calls (Group.run), so that every
 # collective of this group completes in launch order.
-# Point-to-point (send, recv, recv_anysource, batch_isend_irecv) -> gloo directly,
-# through the backend registered for "cpu" (never queued: a recv waiting on the
-# comm thread would stall the send its peer posts after it).
+# Point-to-point (send, recv, recv_anysource; isend, irecv, batch_isend_irecv are
+# made of them) on dense CPU tensors of any dtype -> the transport's channels
+# where it has them (shm: [Note: p2p channels] in csrc/cpu/shm_p2p.cpp), else the
+# internal gloo group (torch_dist, hierarchical: the way across hosts), through
+# backend_p2p either way (the group's timeout, named errors, ringcomm:send/recv
+# events). Never queued on the comm thread: a posted call returns at once, and
+# its Work makes progress when waited (a recv waiting on the comm thread would
+# stall the send its peer posts after it). Sparse tensors -> gloo as they are.
 # CUDA tensors -> internal NCCL backend, as they are (its own streams keep order).
 
 # [Note: async calls]
@@ -77,6 +82,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         self._comm_thread = use_comm_thread(self._group.transport.kind, world_size)
         self._transport = self._group.transport  # a group keeps its transport
         self._supports = self._transport.supports  # the lean path's check
+        self._p2p = self._transport.p2p or backend_p2p.ForwardedPointToPoint(self._gloo, rank, self._timeout_s)
 
     # ---- names (FSDP2's DeviceMesh resolves groups by name) ----
     def getBackendName(self) -> str:
@@ -224,6 +230,26 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         tensors = [t for outputs in output_lists for t in outputs] + list(inputs)
         return self._forward("allgather_coalesced", tensors,
                              lambda b: b.allgather_coalesced(output_lists, inputs, opts), opts, inputs=inputs)
+
+    # ---- point-to-point (see [Note: what runs where]) ----
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
+        return self._point_to_point(backend_p2p.SEND, tensors, dst, tag)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> dist.Work:
+        return self._point_to_point(backend_p2p.RECV, tensors, src, tag)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
+        return self._point_to_point(backend_p2p.RECV_ANYSOURCE, tensors, None, tag)
+
+    def _point_to_point(self, op: str, tensors: list[torch.Tensor], peer: int | None, tag: int) -> dist.Work:
+        if (len(tensors) == 1 and backend_p2p.takes(tensors[0])) or all(map(backend_p2p.takes, tensors)):
+            return backend_p2p.start(self._p2p, op, tensors, peer, tag, rank=self._rank, world_size=self._world_size)
+        if on_cuda(tensors) and self._nccl is None:
+            raise RuntimeError(f"{op}: rank {self._rank} got CUDA tensors but NCCL is not available here")
+        backend = self._nccl if on_cuda(tensors) else self._gloo
+        if op == backend_p2p.SEND:
+            return backend.send(tensors, peer, tag)
+        return backend.recv_anysource(tensors, tag) if peer is None else backend.recv(tensors, peer, tag)
 
     # ---- lifetime: see [Note: group lifetime] in group.py ----
     def shutdown(self) -> None:

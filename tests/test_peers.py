@@ -72,6 +72,17 @@ def test_spawned_ranks_show_mpi_as_off(tmp_path):
     assert "Open MPI: '-' (--launcher spawn)" in stdout, stdout
 
 
+@pytest.mark.slow
+def test_send_recv_ping_pong_against_the_peers(tmp_path):
+    report, stdout = run_quick(tmp_path, "--ops", "send_recv", "--peers", "rc_plain,rc_dist,mpi,gloo,memcpy",
+                               "-e", "64K", "--plot", "")
+    sizes = [8, 4096, 65536]
+    on = [p for p, state in report["peers"].items() if state["on"]]
+    cells = {(c["op"], c["requested_nbytes"], c["peer"]) for c in report["cells"]}
+    assert cells == {("copy" if p == "memcpy" else "send_recv", n, p) for p in on for n in sizes}, cells
+    assert report["verified"] is True and "| send_recv 8 B (us) |" in stdout, stdout
+
+
 def fake_cell(seconds: float, wrong: int = 0) -> dict:
     return {"seconds": [seconds, seconds * 2, seconds * 3], "iters": 10, "wrong": wrong}
 

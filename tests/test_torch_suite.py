@@ -28,6 +28,11 @@ GROUPS = ["test_backend_under_test", "test_get_backend", "test_destroy_group", "
 BARRIER_AND_ASYNC = ["test_barrier", "test_barrier_full_group", "test_get_future", "test_isend", "test_irecv",
                      "test_batch_isend_irecv_gloo"]
 SELECTION = COLLECTIVES + DDP + GROUPS + BARRIER_AND_ASYNC
+POINT_TO_POINT = ["test_send_recv", "test_send_recv_any_source", "test_send_recv_with_tag", "test_isend", "test_irecv",
+                  "test_batch_isend_irecv_gloo", "test_batch_isend_irecv_gloo_tags"]
+POINT_TO_POINT_PROFILED = [f"{name}_{profiler}" for name in ("test_send_recv", "test_send_recv_any_source",
+                                                             "test_send_recv_with_tag", "test_isend")
+                           for profiler in ("autograd_profiler", "torch_profiler")]
 
 
 # Async calls (DDP's, async_op=True) inline with 2 ranks and on the comm thread
@@ -42,6 +47,17 @@ def test_suite_selection_passes_on_ringcomm(world_size: int, async_mode: str, mo
     assert sorted(run.outcomes) == sorted(selection), f"{case}: not run: {set(selection) - set(run.outcomes)}"
     wrong = {name: f"{o.status.value}: {o.message}" for name, o in run.outcomes.items() if not as_expected(name, o)}
     assert not wrong, f"{case}: {wrong}"
+
+
+@pytest.mark.slow
+def test_point_to_point_profiler_events() -> None:
+    """The suite's point-to-point tests on the shm channels, also those that check
+    the `ringcomm:send` / `ringcomm:recv` / `ringcomm:recvAnySource` profiler events."""
+    selection = POINT_TO_POINT + POINT_TO_POINT_PROFILED
+    run = run_suite("ringcomm", 2, tests=selection, profiler_events=True)
+    assert sorted(run.outcomes) == sorted(selection), f"not run: {set(selection) - set(run.outcomes)}"
+    wrong = {name: f"{o.status.value}: {o.message}" for name, o in run.outcomes.items() if o.status is not Status.PASSED}
+    assert not wrong, wrong
 
 
 def as_expected(name: str, outcome: Outcome) -> bool:

@@ -13,10 +13,10 @@ dist.new_group() inherit the default group's backend.
 At run time the suite gates on the name in three ways: one helper picks its
 model by `BACKEND == "gloo"` (run gated as gloo, below); profiler events named
 "<backend>:<op>" are checked only for backends in its PROFILING_SUPPORTED_BACKENDS
-lists, and DDP's gloo logging fields only for gloo. ringcomm records no such
-events, so on ringcomm those tests check results but not profiler events;
-TORCH_SUITE_PROFILER_EVENTS=1 checks them too (and then a missing event fails
-the test before its results are checked).
+lists, and DDP's gloo logging fields only for gloo. ringcomm is not in those
+lists, so by default those tests check its results but not its events;
+TORCH_SUITE_PROFILER_EVENTS=1 adds it, so they check its "ringcomm:<op>" events
+too (and then a missing event fails the test before its results are checked).
 """
 from __future__ import annotations
 

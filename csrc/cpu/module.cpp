@@ -12,6 +12,7 @@
 #include "adam.h"
 #include "cpu_capability.h"
 #include "module_lean.h"
+#include "module_p2p.h"
 #include "process.h"
 #include "quant.h"
 #include "reduce.h"
@@ -78,9 +79,15 @@ std::vector<std::string> capability_names(const std::vector<ringcomm::CpuCapabil
 #define RINGCOMM_BUILD_MARCH ""
 #endif
 
+// Point-to-point defaults for comms made directly (tests); ShmOptions passes its own.
+constexpr int64_t kP2pSlotNbytes = 64 << 10;
+constexpr int kP2pNumSlots = 4;
+
 ShmConfig make_config(int64_t slot_nbytes, int num_slots, int64_t oneshot_max_nbytes, int64_t spin_ns,
-                      int64_t cma_min_nbytes, int64_t cma_reduce_min_nbytes) {
-  return ShmConfig{slot_nbytes, num_slots, oneshot_max_nbytes, spin_ns, cma_min_nbytes, cma_reduce_min_nbytes};
+                      int64_t cma_min_nbytes, int64_t cma_reduce_min_nbytes, int64_t p2p_slot_nbytes = kP2pSlotNbytes,
+                      int p2p_num_slots = kP2pNumSlots, int64_t p2p_cma_min_nbytes = -1) {
+  return ShmConfig{slot_nbytes,    num_slots,           oneshot_max_nbytes, spin_ns, cma_min_nbytes,
+                   cma_reduce_min_nbytes, p2p_slot_nbytes, p2p_num_slots,      p2p_cma_min_nbytes};
 }
 
 }  // namespace
@@ -138,24 +145,29 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("in_addr", &OpDesc::in_addr)
       .def_readwrite("out_addr", &OpDesc::out_addr);
 
-  py::class_<ShmComm, std::shared_ptr<ShmComm>>(m, "ShmComm")
-      .def(py::init([](const std::string& name, int rank, int world_size, int64_t slot_nbytes, int num_slots,
+  py::class_<ShmComm, std::shared_ptr<ShmComm>> comm(m, "ShmComm");
+  comm.def(py::init([](const std::string& name, int rank, int world_size, int64_t slot_nbytes, int num_slots,
                        int64_t oneshot_max_nbytes, int64_t spin_ns, bool create, int64_t cma_min_nbytes,
-                       int64_t cma_reduce_min_nbytes) {
+                       int64_t cma_reduce_min_nbytes, int64_t p2p_slot_nbytes, int p2p_num_slots,
+                       int64_t p2p_cma_min_nbytes) {
              return std::make_shared<ShmComm>(name, rank, world_size,
                                               make_config(slot_nbytes, num_slots, oneshot_max_nbytes, spin_ns,
-                                                          cma_min_nbytes, cma_reduce_min_nbytes),
+                                                          cma_min_nbytes, cma_reduce_min_nbytes, p2p_slot_nbytes,
+                                                          p2p_num_slots, p2p_cma_min_nbytes),
                                               create);
            }),
            py::arg("name"), py::arg("rank"), py::arg("world_size"), py::arg("slot_nbytes"), py::arg("num_slots"),
            py::arg("oneshot_max_nbytes"), py::arg("spin_ns"), py::arg("create"), py::arg("cma_min_nbytes") = -1,
-           py::arg("cma_reduce_min_nbytes") = -1)
+           py::arg("cma_reduce_min_nbytes") = -1, py::arg("p2p_slot_nbytes") = kP2pSlotNbytes,
+           py::arg("p2p_num_slots") = kP2pNumSlots, py::arg("p2p_cma_min_nbytes") = -1)
       .def_static("unlink", &ShmComm::unlink, py::arg("name"))
       .def_static("segment_nbytes",
-                  [](int world_size, int64_t slot_nbytes, int num_slots) {
-                    return ShmComm::segment_nbytes(world_size, make_config(slot_nbytes, num_slots, 0, 0, -1, -1));
+                  [](int world_size, int64_t slot_nbytes, int num_slots, int64_t p2p_slot_nbytes, int p2p_num_slots) {
+                    return ShmComm::segment_nbytes(world_size, make_config(slot_nbytes, num_slots, 0, 0, -1, -1,
+                                                                           p2p_slot_nbytes, p2p_num_slots));
                   },
-                  py::arg("world_size"), py::arg("slot_nbytes"), py::arg("num_slots"))
+                  py::arg("world_size"), py::arg("slot_nbytes"), py::arg("num_slots"),
+                  py::arg("p2p_slot_nbytes") = kP2pSlotNbytes, py::arg("p2p_num_slots") = kP2pNumSlots)
       .def("all_reduce",
            [](ShmComm& comm, uintptr_t output, uintptr_t input, int64_t numel, int dtype, int op, double timeout_s) {
              comm.all_reduce(ringcomm::Output{output}, ringcomm::Input{input}, numel, dtype, op, timeout_s);
@@ -212,6 +224,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("rank", &ShmComm::rank)
       .def_property_readonly("world_size", &ShmComm::world_size)
       .def_property_readonly("rounds", &ShmComm::rounds);
+  ringcomm::add_p2p_bindings(m, comm);
 
   py::class_<ShmWindow>(m, "ShmWindow", py::buffer_protocol())
       .def(py::init<const std::string&, int64_t, bool>(), py::arg("name"), py::arg("nbytes"), py::arg("create"))

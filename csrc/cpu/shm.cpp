@@ -24,6 +24,7 @@
 #include "shm.h"
 
 #include "shm_map.h"
+#include "shm_p2p.h"
 
 #include <errno.h>
 #include <linux/futex.h>
@@ -41,7 +42,7 @@
 namespace ringcomm {
 namespace {
 
-constexpr uint64_t kMagic = 0x72696e67636f6d31ull;  // "ringcom1"
+constexpr uint64_t kMagic = 0x72696e67636f6d32ull;  // "ringcom2"
 constexpr int64_t kPage = 4096;
 
 struct SegmentHeader {
@@ -49,6 +50,8 @@ struct SegmentHeader {
   int32_t world_size;
   int32_t num_slots;
   int64_t slot_nbytes;
+  int64_t p2p_slot_nbytes;
+  int32_t p2p_num_slots;
 };
 
 int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
@@ -100,8 +103,14 @@ OpScope::OpScope(std::atomic<int64_t>& caller, const std::atomic<int32_t>& state
                            "thread at a time, in the same order on every rank (use one group per thread)");
 }
 
-int64_t ShmComm::segment_nbytes(int world_size, const ShmConfig& config) {
+// Headers, then the collectives' slots (world_size * num_slots), then the
+// point-to-point channels (shm_p2p.h).
+static int64_t collective_nbytes(int world_size, const ShmConfig& config) {
   return headers_nbytes(world_size) + world_size * config.num_slots * slot_stride(config);
+}
+
+int64_t ShmComm::segment_nbytes(int world_size, const ShmConfig& config) {
+  return collective_nbytes(world_size, config) + P2pChannels::region_nbytes(world_size, config);
 }
 
 ShmComm::ShmComm(const std::string& name, int rank, int world_size, ShmConfig config, bool create)
@@ -121,6 +130,10 @@ ShmComm::ShmComm(const std::string& name, int rank, int world_size, ShmConfig co
   if (config.slot_nbytes < 64 * world_size || config.slot_nbytes % 64 != 0)
     throw std::invalid_argument("shm: slot_nbytes=" + std::to_string(config.slot_nbytes) +
                                 " must be a multiple of 64 and at least 64 * world_size (" + std::to_string(64 * world_size) + ")");
+  if (config.p2p_num_slots < 2 || config.p2p_slot_nbytes < 64 || config.p2p_slot_nbytes % 64 != 0)
+    throw std::invalid_argument("shm: p2p_num_slots=" + std::to_string(config.p2p_num_slots) + " must be >= 2 and "
+                                "p2p_slot_nbytes=" + std::to_string(config.p2p_slot_nbytes) +
+                                " a multiple of 64, at least 64");
   const int64_t total = segment_nbytes(world_size, config);
   base_ = map_segment(name, total, create);
   mapped_nbytes_ = total;
@@ -129,10 +142,13 @@ ShmComm::ShmComm(const std::string& name, int rank, int world_size, ShmConfig co
     segment->world_size = world_size;
     segment->num_slots = config.num_slots;
     segment->slot_nbytes = config.slot_nbytes;
+    segment->p2p_slot_nbytes = config.p2p_slot_nbytes;
+    segment->p2p_num_slots = config.p2p_num_slots;
     std::atomic_thread_fence(std::memory_order_release);
     segment->magic = kMagic;
   } else if (segment->magic != kMagic || segment->world_size != world_size || segment->num_slots != config.num_slots ||
-             segment->slot_nbytes != config.slot_nbytes) {
+             segment->slot_nbytes != config.slot_nbytes || segment->p2p_slot_nbytes != config.p2p_slot_nbytes ||
+             segment->p2p_num_slots != config.p2p_num_slots) {
     unmap_segment(base_, mapped_nbytes_);
     base_ = nullptr;
     throw std::runtime_error("shm: segment '" + name + "' was not made by this group (magic or config differs)");
@@ -144,6 +160,7 @@ ShmComm::ShmComm(const std::string& name, int rank, int world_size, ShmConfig co
   mine->pid = getpid();
   mine->cma_token = cma_token_;
   mine->cma_token_addr = reinterpret_cast<uintptr_t>(&cma_token_);
+  p2p_ = std::make_unique<P2pChannels>(*this, base_ + collective_nbytes(world_size, config), config);
 }
 
 ShmComm::~ShmComm() { unmap(); }

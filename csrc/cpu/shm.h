@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -89,6 +90,9 @@ struct ShmConfig {
   int64_t spin_ns;             // busy-wait this long before sleeping on the flag (futex)
   int64_t cma_min_nbytes;         // all-gather / broadcast of plain buffers this big: single copy by CMA (-1: never)
   int64_t cma_reduce_min_nbytes;  // ... and all-reduce / reduce-scatter (their CMA path reads through pieces)
+  int64_t p2p_slot_nbytes;        // point-to-point: staging bytes per slot of a channel (shm_p2p.h)
+  int p2p_num_slots;              // ... slots per channel
+  int64_t p2p_cma_min_nbytes;     // ... sends this big (with CMA on): the receiver reads the sender's buffer (-1: never)
 };
 
 // Where a wait is, for error messages: op, step within the op, deadline.
@@ -102,6 +106,12 @@ struct StepInfo {
 
 // This process's pid namespace (inode of /proc/self/ns/pid; 0 where unknown).
 uint64_t own_pid_namespace();
+
+// Reads `nbytes` at `remote` in process `pid` into `local` by process_vm_readv
+// (shm_cma.cpp); 0 or an errno.
+int read_process(int64_t pid, void* local, const void* remote, int64_t nbytes);
+
+class P2pChannels;  // shm_p2p.h
 
 // One op in progress on a group, for the length of a public call: a second
 // thread that enters meanwhile gets a RuntimeError naming the thread inside
@@ -163,6 +173,20 @@ class ShmComm {
   // ranks agree on the answer. Returns "" when it is on, else the reason.
   std::string setup_cma(double timeout_s);
   bool cma_enabled() const { return cma_enabled_; }
+
+  // Point-to-point messages (shm_p2p.h). Their calls may come from any threads,
+  // also while a collective runs; each counts itself in flight between
+  // enter_p2p (refused once the comm is closing) and leave_p2p, and close()
+  // waits for them as for a collective.
+  P2pChannels& p2p() { return *p2p_; }
+  void enter_p2p(const char* op);
+  void leave_p2p() { p2p_calls_.fetch_sub(1, std::memory_order_seq_cst); }
+  // What the channels ask about a peer: "" while it is in the group, else how
+  // it left ("rank 1 (pid 42) has exited", "rank 1 closed the group").
+  std::string peer_gone(int peer) const;
+  bool aborting() const;
+  // The checked pid of `peer` when CMA is on ([Note: CMA trust]), else 0.
+  int64_t cma_pid(int peer) const { return cma_enabled_ ? peer_pids_[peer] : 0; }
 
   void register_window(int64_t id, const std::vector<uintptr_t>& bases, const std::vector<int64_t>& nbytes);
   void unregister_window(int64_t id);
@@ -261,6 +285,8 @@ class ShmComm {
   uint64_t cma_token_ = 0;
   bool cma_enabled_ = false;
   std::atomic<int64_t> caller_{0};   // see OpScope
+  std::atomic<int64_t> p2p_calls_{0};  // point-to-point calls in flight (enter_p2p)
+  std::unique_ptr<P2pChannels> p2p_;
   std::atomic<int32_t> state_{0};    // CommState
   std::mutex lifecycle_mutex_;       // one close or abort at a time
   std::atomic<bool> abort_requested_{false};  // set by abort() before it waits for lifecycle_mutex_

@@ -23,7 +23,8 @@ namespace {
 
 constexpr int64_t kCmaPieceBytes = 128 << 10;  // per peer, for reductions: stays in L2 with the output
 
-// Reads `nbytes` at `remote` in process `pid` into `local`; 0 or an errno.
+}  // namespace
+
 int read_process(int64_t pid, void* local, const void* remote, int64_t nbytes) {
   int64_t done = 0;
   while (done < nbytes) {
@@ -40,8 +41,6 @@ int read_process(int64_t pid, void* local, const void* remote, int64_t nbytes) {
   }
   return 0;
 }
-
-}  // namespace
 
 std::string ShmComm::setup_cma(double timeout_s) {
   OpScope scope(caller_, state_, "setup_cma", rank_);

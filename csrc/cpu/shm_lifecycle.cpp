@@ -24,6 +24,7 @@
 
 #include "shm.h"
 #include "shm_map.h"
+#include "shm_p2p.h"
 
 namespace ringcomm {
 namespace {
@@ -63,9 +64,9 @@ void ShmComm::abort() {
   if (wait_idle(Clock::now() + kAbortGrace)) unmap();
 }
 
-// Whether no call is in flight by `deadline`.
+// Whether no call (collective or point-to-point) is in flight by `deadline`.
 bool ShmComm::wait_idle(Clock::time_point deadline) const {
-  while (caller_.load(std::memory_order_seq_cst) != 0) {
+  while (caller_.load(std::memory_order_seq_cst) != 0 || p2p_calls_.load(std::memory_order_seq_cst) != 0) {
     if (Clock::now() >= deadline) return false;
     std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
@@ -89,7 +90,33 @@ bool ShmComm::leave(CommState how) {
   header(rank_)->state.store(static_cast<int32_t>(how), std::memory_order_seq_cst);
   state_.store(static_cast<int32_t>(how), std::memory_order_seq_cst);
   wake_all();
+  p2p_->wake();
   return how == CommState::kClosed;
+}
+
+// As OpScope, but counting: point-to-point calls may overlap each other and a
+// collective. Sequentially consistent against close()'s store of the state.
+void ShmComm::enter_p2p(const char* op) {
+  p2p_calls_.fetch_add(1, std::memory_order_seq_cst);
+  const int32_t now = state_.load(std::memory_order_seq_cst);
+  if (now == static_cast<int32_t>(CommState::kOpen)) return;
+  p2p_calls_.fetch_sub(1, std::memory_order_seq_cst);
+  throw std::runtime_error(std::string(op) + ": rank " + std::to_string(rank_) + ": the group is " + left_as(now));
+}
+
+bool ShmComm::aborting() const {
+  return state_.load(std::memory_order_acquire) == static_cast<int32_t>(CommState::kAborted) ||
+         abort_requested_.load(std::memory_order_acquire);
+}
+
+// A peer's header is untrusted: its state only compared, its pid judged as in wait_for.
+std::string ShmComm::peer_gone(int peer) const {
+  if (peer_exited(peer))
+    return "rank " + std::to_string(peer) + " (pid " + std::to_string(header(peer)->pid) + ") has exited";
+  const int32_t theirs = header(peer)->state.load(std::memory_order_acquire);
+  if (theirs == static_cast<int32_t>(CommState::kClosed) || theirs == static_cast<int32_t>(CommState::kAborted))
+    return "rank " + std::to_string(peer) + " " + left_as(theirs) + " the group";
+  return "";
 }
 
 void ShmComm::check_aborted(const StepInfo& step, uint64_t round) {

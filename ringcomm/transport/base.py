@@ -9,6 +9,39 @@ from ..ops import ReduceOp
 from .agreement import CallKey
 
 
+class P2pRequest(Protocol):
+    """One send or receive of a PointToPoint, until it ends."""
+
+    source: int  # a receive's sender (group rank) once matched, else -1
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Until it ended (None: the group's timeout); raises its error."""
+        ...
+
+    def is_completed(self) -> bool:
+        """Whether it ended, after one round of progress."""
+        ...
+
+    def succeeded(self) -> bool:
+        """Whether it ended without an error, as far as known now (no progress made)."""
+        ...
+
+    def exception(self) -> BaseException | None: ...
+
+
+class PointToPoint(Protocol):
+    """Messages between two ranks of a group: the bytes of a contiguous CPU
+    tensor, matched by source and tag, in send order per (src, dst, tag)."""
+
+    timeout_s: float
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> P2pRequest: ...
+
+    def irecv(self, tensor: torch.Tensor, src: int | None, tag: int) -> P2pRequest:
+        """src None: from any source."""
+        ...
+
+
 class Transport(Protocol):
     """Moves and combines the bytes of one group's collectives.
 
@@ -23,6 +56,7 @@ class Transport(Protocol):
     rank: int
     world_size: int
     timeout_s: float
+    p2p: PointToPoint | None  # None: point-to-point goes over the process group's own send/recv
 
     def supports(self, tensor: torch.Tensor) -> bool: ...
 

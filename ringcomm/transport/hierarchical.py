@@ -57,6 +57,7 @@ class HierarchicalTransport:
     """
 
     kind = "hierarchical"
+    p2p = None  # point-to-point: the backend forwards it to its process group (process_group.py)
 
     def __init__(self, rank: int, placement: Placement, local: ShmTransport, cross: TorchDistTransport,
                  cross_pg: dist.ProcessGroup, *, whole_max_nbytes: int, board: _Diagnosis | None = None) -> None:

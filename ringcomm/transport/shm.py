@@ -24,9 +24,11 @@ from ..ops import DTYPE_CODES_BY_ID, ReduceOp
 from . import agreement, rendezvous
 from .agreement import CallKey
 from .shm_names import expiry_of, new_name, remove_stale_segments
+from .shm_p2p import ShmPointToPoint
 
 
 MAX_NBYTES = 1 << 40  # of a slot or a one-shot message: world_size * num_slots * slot_nbytes fits int64
+P2P_MIN_SLOT_NBYTES = 4 << 10  # the point-to-point slots shrink no further to fit p2p_max_nbytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,17 +46,41 @@ class ShmOptions:
     cma: bool = True
     cma_min_nbytes: int = 64 << 10  # all_gather, broadcast
     cma_reduce_min_nbytes: int = 2 << 20  # all_reduce, reduce_scatter
+    # Point-to-point ([Note: p2p channels] in csrc/cpu/shm_p2p.cpp): a channel of
+    # p2p_num_slots slots per ordered pair of ranks; the slots shrink (down to
+    # 4 KiB) so that all channels together stay under p2p_max_nbytes (2 ranks:
+    # 1 MiB; 8 ranks: 56 channels of 4 x 64 KiB). Sends of at least
+    # p2p_cma_min_nbytes are read by the receiver from the sender's memory (CMA)
+    # where the group uses CMA, else they are staged through the slots.
+    p2p_slot_nbytes: int = 128 << 10
+    p2p_num_slots: int = 4
+    p2p_max_nbytes: int = 16 << 20
+    p2p_cma_min_nbytes: int = 64 << 10
 
     def __post_init__(self) -> None:
         """Types and bounds, here rather than as pybind11's dump of ShmComm's
         overloads at new_group; the C++ checks what depends on world_size."""
         for name, low, high in (("slot_nbytes", 64, MAX_NBYTES), ("num_slots", 2, 1024),
                                 ("oneshot_max_nbytes", 0, MAX_NBYTES), ("cma_min_nbytes", 0, INT64_MAX),
-                                ("cma_reduce_min_nbytes", 0, INT64_MAX)):
+                                ("cma_reduce_min_nbytes", 0, INT64_MAX), ("p2p_slot_nbytes", 64, MAX_NBYTES),
+                                ("p2p_num_slots", 2, 1024), ("p2p_max_nbytes", 0, INT64_MAX),
+                                ("p2p_cma_min_nbytes", 0, INT64_MAX)):
             check_int("ShmOptions", name, getattr(self, name), low, high)
         check_number("ShmOptions", "spin_us", self.spin_us, 0.0, 1e6)
         if not isinstance(self.cma, bool):
             raise TypeError(f"ShmOptions: cma={self.cma!r} must be a bool")
+        if self.p2p_slot_nbytes % 64:
+            raise ValueError(f"ShmOptions: p2p_slot_nbytes={self.p2p_slot_nbytes} must be a multiple of 64")
+
+    def p2p_slot_nbytes_for(self, world_size: int) -> int:
+        """The point-to-point slot size of a group of `world_size` ranks: p2p_slot_nbytes,
+        halved until all world_size * (world_size - 1) channels fit p2p_max_nbytes, but
+        never below 4 KiB (nor above p2p_slot_nbytes)."""
+        nbytes = self.p2p_slot_nbytes
+        channels = world_size * (world_size - 1) * self.p2p_num_slots
+        while channels * nbytes > self.p2p_max_nbytes and nbytes // 2 >= P2P_MIN_SLOT_NBYTES:
+            nbytes //= 2
+        return nbytes // 64 * 64
 
 
 class ShmTransport:
@@ -69,6 +95,7 @@ class ShmTransport:
         self._next_window = 0
         self.handle = comm._handle  # for the lean calls: see [Note: lean calls] in csrc/cpu/module_lean.cpp
         self._single_copy = "staged"
+        self.p2p = ShmPointToPoint(comm, timeout_s)
 
     @classmethod
     def create(cls, store: dist.Store, rank: int, world_size: int, timeout_s: float, options: ShmOptions) -> ShmTransport:
@@ -79,7 +106,9 @@ class ShmTransport:
         cores = usable_cores()
         spin = int(options.spin_us * 1000) if world_size <= cores else 0
         args = (rank, world_size, options.slot_nbytes, options.num_slots, options.oneshot_max_nbytes, spin)
-        kwargs = dict(cma_min_nbytes=options.cma_min_nbytes, cma_reduce_min_nbytes=options.cma_reduce_min_nbytes)
+        kwargs = dict(cma_min_nbytes=options.cma_min_nbytes, cma_reduce_min_nbytes=options.cma_reduce_min_nbytes,
+                      p2p_slot_nbytes=options.p2p_slot_nbytes_for(world_size), p2p_num_slots=options.p2p_num_slots,
+                      p2p_cma_min_nbytes=options.p2p_cma_min_nbytes)
         if rank == 0:
             remove_stale_segments()
             name = new_name(timeout_s)

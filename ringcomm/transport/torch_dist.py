@@ -201,6 +201,7 @@ class _Diagnosis:
 
 class TorchDistTransport:
     kind = "torch_dist"
+    p2p = None  # point-to-point: the backend forwards it to its process group (process_group.py)
 
     def __init__(self, pg: dist.ProcessGroup, timeout_s: float, options: TorchDistOptions,
                  store: dist.Store | None = None) -> None:

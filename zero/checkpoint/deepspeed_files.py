@@ -7,8 +7,10 @@ What is restored follows DeepSpeed's own load_checkpoint: the module's
 buffers (and frozen parameters), fp32 masters, optimizer states and
 hyperparameters, the LR scheduler, the loss scaler, global steps, samples and
 skipped steps, and client_state (the model-states keys DeepSpeed does not
-own). Refused with a ValueError naming the file: pipeline, MoE, tensor
-parallel and universal checkpoints, and a set of files that do not agree.
+own). The optimizer states are read in their optimizer's layout
+(deepspeed_optim.py). Refused with a ValueError naming the file: pipeline,
+MoE, tensor parallel and universal checkpoints, optimizer states zero does not
+map, and a set of files that do not agree.
 DeepSpeed's files have no checksums of their own, but each record of the zip
 torch.save writes has a crc32, checked before anything is unpickled; a file
 that passes is also checked against the others' shapes and sizes.
@@ -23,9 +25,9 @@ import torch
 
 from .deepspeed_layout import (SUB_GROUP_SIZE, Fields, Piece, flat_layout, load_deepspeed, model_states_name,
                                optim_states_name)
+from .deepspeed_optim import read_group, read_state, saved_optimizer
 
 DEEPSPEED_SUFFIXES = ("_model_states.pt", "_optim_states.pt")
-IMPLEMENTATION_KEYS = frozenset({"params", "foreach", "fused", "capturable", "differentiable"})
 UNSUPPORTED = ((re.compile(r"^layer_\d+"), "a pipeline-parallel"), (re.compile(r"expert|expp_rank"), "a MoE"),
                (re.compile(r"mp_rank_(?!00_)\d+"), "a tensor-parallel"))
 DEEPSPEED_STATES = frozenset({"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes",
@@ -59,9 +61,10 @@ def need(path: str, state: dict, keys: tuple[str, ...]) -> None:
 
 
 class DeepSpeedShards:
-    """A DeepSpeed checkpoint directory, indexed by parameter name as zero's SavedShards."""
+    """A DeepSpeed checkpoint directory, indexed by parameter name as zero's
+    SavedShards; without `optimizer_states`, its masters only."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, *, optimizer_states: bool = True) -> None:
         check_kind(directory)
         self.directory = directory
         self.model_path, self.model = self._model_states()
@@ -79,6 +82,8 @@ class DeepSpeedShards:
                 self.by_name.setdefault(piece.name, []).append((r, piece))
         for alias, target in self.aliases.items():
             self.by_name.setdefault(alias, self.by_name.get(target, []))
+        self.optimizer_states = optimizer_states
+        self.optimizer = self._saved_optimizer() if optimizer_states else None
 
     # ---- the files ----
     def _model_states(self) -> tuple[str, dict]:
@@ -117,6 +122,14 @@ class DeepSpeedShards:
         self.alignment = self.optim[0].get("param_alignment_paddings") if stage < 3 else None
         return stage, world_size
 
+    def _saved_optimizer(self) -> str | None:
+        """The optimizer whose layout the states are in (deepspeed_optim.py); None in an elastic checkpoint."""
+        base = self.base_state(0)
+        if not isinstance(base, dict) or not isinstance(base.get("param_groups"), list):
+            return None  # optimizer_groups() refuses it
+        states = [base.get("state", {}).get(g, {}) for g in range(len(self.layout.sizes))]
+        return saved_optimizer(self.model.get("ds_config"), base["param_groups"], states, self.paths[0])
+
     def _check_sizes(self) -> None:
         key = "fp32_flat_groups" if self.stage == 3 else "single_partition_of_fp32_groups"
         for r, (path, osd) in enumerate(zip(self.paths, self.optim)):
@@ -133,12 +146,15 @@ class DeepSpeedShards:
             return osd["fp32_flat_groups" if self.stage == 3 else "single_partition_of_fp32_groups"][group]
         return self.optimizer_state(rank, group).get(kind)
 
-    def optimizer_state(self, rank: int, group: int) -> dict:
+    def base_state(self, rank: int) -> dict | list:
         osd = self.optim[rank]
-        base = osd["optimizer_state_dict"] if self.stage == 3 else osd["base_optimizer_state"]
-        if isinstance(base, list):  # an elastic checkpoint: one lean state per group
-            return base[group]
-        return base.get("state", {}).get(group, {})
+        return osd["optimizer_state_dict"] if self.stage == 3 else osd["base_optimizer_state"]
+
+    def optimizer_state(self, rank: int, group: int) -> dict:
+        """Flat group `group`'s optimizer state on `rank`, in torch's terms; {} without optimizer states."""
+        if self.optimizer is None:  # not asked for, or an elastic checkpoint's (refused by optimizer_groups)
+            return {}
+        return read_state(self.optimizer, self.base_state(rank).get("state", {}).get(group, {}))
 
     def kinds(self, name: str) -> set[str]:
         rank, piece = self.by_name[name][0]
@@ -182,10 +198,11 @@ class DeepSpeedShards:
         model, config = self.model, self.model.get("ds_config") or {}
         accumulation = int(config.get("gradient_accumulation_steps", 1) or 1)
         micro = int(config.get("train_micro_batch_size_per_gpu", 0) or 0)
-        groups = self.optimizer_groups()
+        groups = self.optimizer_groups() if self.optimizer_states else []
         return {
             "format": "deepspeed", "world_size": self.world_size, "stage": self.stage, "dtype": self.dtype(config),
             "params": self.shapes, "param_groups": groups, "scaler": self.scaler(),
+            "optimizer": self.optimizer and {"name": self.optimizer, "kinds": self.optimizer_kinds()},
             "layout": {"world_size": self.world_size, "micro_batch_size": micro,
                        "gradient_accumulation_steps": accumulation,
                        "train_batch_size": micro * accumulation * self.world_size},
@@ -198,15 +215,18 @@ class DeepSpeedShards:
         }
 
     def optimizer_groups(self) -> list[dict]:
-        osd = self.optim[0]
-        base = osd["optimizer_state_dict"] if self.stage == 3 else osd["base_optimizer_state"]
+        base = self.base_state(0)
         groups = base.get("param_groups") if isinstance(base, dict) else None
         if not isinstance(groups, list):
             raise ValueError(f"{self.paths[0]}: no optimizer param_groups (an elastic checkpoint without them)")
         if self.stage < 3 and len(groups) != len(self.layout.sizes):
             raise ValueError(f"{self.paths[0]}: {len(groups)} optimizer param groups for {len(self.layout.sizes)} "
                              f"flat groups")
-        return [{k: v for k, v in g.items() if k not in IMPLEMENTATION_KEYS} for g in groups]
+        return [read_group(self.optimizer, g, self.paths[0]) for g in groups]
+
+    def optimizer_kinds(self) -> list[str]:
+        """The kinds of state the optimizer saved (rank 0's, every flat group's)."""
+        return sorted({kind for g in range(len(self.layout.sizes)) for kind in self.optimizer_state(0, g)})
 
     def dtype(self, config: dict) -> str:
         if (config.get("bf16") or {}).get("enabled"):

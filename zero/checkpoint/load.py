@@ -44,6 +44,7 @@ import torch
 from . import save
 from .barrier import store_agree
 from .deepspeed_files import DeepSpeedShards, is_deepspeed
+from .deepspeed_optim import check_resumes
 from .format import (ENGINE_STATE, MANIFEST, MODEL_STATES, SavedShards, check_file, load_plain, read_engine_state,
                      read_manifest, resolve)
 from .save import master_slices, param_shapes
@@ -103,7 +104,7 @@ def stage(engine, load_dir: str, tag: str | None, options: LoadOptions) -> Stage
     """zero's own checkpoint, or DeepSpeed's (deepspeed_files.py), read and checked."""
     directory = resolve(load_dir, tag)
     if not os.path.isfile(os.path.join(directory, MANIFEST)) and is_deepspeed(directory):
-        saved = DeepSpeedShards(directory)
+        saved = DeepSpeedShards(directory, optimizer_states=options.optimizer_states)
         state, where = saved.engine_state(), saved.model_path
 
         def module_states() -> tuple[str, dict]:
@@ -132,6 +133,8 @@ def check_engine(engine, where: str, directory: str, state: dict, options: LoadO
                          f"{len(engine.optimizer.param_groups)}")
     if options.optimizer_states:
         check_hyperparameters(engine.optimizer, where, state["param_groups"])
+        if state.get("optimizer"):  # DeepSpeed's: the optimizer that saved it (deepspeed_optim.py)
+            check_resumes(engine.optimizer, state["optimizer"]["name"], set(state["optimizer"]["kinds"]), where)
     check_params(engine, where, state["params"], strict=options.strict)
     scheduler = engine.lr_scheduler
     if restores_scheduler(engine, state, options):

@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from .barrier import failure, store_agree
+from .deepspeed_optim import built_by
 from .format import ENGINE_STATE, FORMAT, MANIFEST, MODEL_STATES, NamedShard, manifest_entry, shard_file
 from .tensorfile import SafetensorsReader, TensorSpec, fsync_dir, write_safetensors
 
@@ -98,11 +99,28 @@ def engine_state(engine, client_state: dict | None) -> dict:
 
 def deepspeed_facts(engine) -> dict:
     """What DeepSpeed's layout needs beyond zero's own (to_deepspeed.py): the
-    persistent buffers' names, the clipping, the stage-3 sub-group size and
-    the fp16 scaler's options (DeepSpeed's files hold the scaler whole)."""
+    persistent buffers' names, the clipping, the stage-3 sub-group size, the
+    fp16 scaler's options (DeepSpeed's files hold the scaler whole), and the
+    optimizer DeepSpeed builds from this config, whose layout it saves
+    (deepspeed_optim.py), and its adamw_mode."""
     config = engine.config
     return {"buffers": buffer_names(engine.module), "clip_grad": float(config.gradient_clipping),
-            "sub_group_size": int(config.zero.sub_group_size), "scaler_options": dataclasses.asdict(config.scaler)}
+            "sub_group_size": int(config.zero.sub_group_size), "scaler_options": dataclasses.asdict(config.scaler),
+            "optimizer": deepspeed_optimizer(engine),
+            "adamw": isinstance(engine.optimizer, torch.optim.AdamW)
+            or any(g.get("decoupled_weight_decay", False) for g in engine.optimizer.param_groups)}
+
+
+def deepspeed_optimizer(engine) -> str:
+    """DeepSpeed's optimizer for this engine's config ("FusedAdam", ...), or the client's class."""
+    config, cls = engine.config, type(engine.optimizer)
+    offload = {"offload_optimizer": {"device": config.zero.offload_optimizer}}
+    built = built_by({"optimizer": config.optimizer, "zero_optimization": offload})
+    if built is not None:
+        return built
+    if cls.__module__.startswith("torch.optim"):
+        return f"torch.optim.{cls.__name__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def buffer_names(module: torch.nn.Module) -> list[str]:

@@ -3,7 +3,7 @@ the world size and ZeRO stage it was saved with, so that DeepSpeed's
 load_checkpoint continues the training and its zero_to_fp32.py (written
 beside, as DeepSpeed does) consolidates the weights:
 
-    python -m zero.to_deepspeed ZERO_CKPT OUT [--tag TAG] [--overwrite]
+    python -m zero.to_deepspeed ZERO_CKPT OUT [--tag TAG] [--overwrite] [--ds-config FILE | --optimizer NAME]
 
 ZERO_CKPT is a save_dir (its `latest`, or --tag, picks the checkpoint) or a
 checkpoint directory; OUT receives OUT/TAG/ and OUT/latest, written through
@@ -13,10 +13,17 @@ into only with --overwrite ([Note: a converter's output] in output.py). zero's
 files are read as plain data and checked as load_checkpoint checks them. The
 output holds DeepSpeed's own classes (its loss scaler and stage enum), so
 this needs deepspeed installed, as the DeepSpeed that reads it has.
+
+The optimizer states are written in the layout of the optimizer DeepSpeed
+builds when it resumes ([Note: DeepSpeed's optimizer layouts] in
+deepspeed_optim.py): that of the DeepSpeed config zero ran with (the same
+file, as a drop-in), recorded in the checkpoint; --ds-config names the config
+DeepSpeed resumes with instead, --optimizer the optimizer itself.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import shutil
@@ -26,6 +33,7 @@ from collections import OrderedDict
 import torch
 
 from .deepspeed_layout import DS_VERSION, Layout, flat_layout, model_states_name, optim_states_name
+from .deepspeed_optim import CPU_ADAM, FUSED_ADAM, built_by, check_target, config_for, write_group, write_state
 from .format import MODEL_STATES, SavedShards, check_file, load_plain, read_engine_state, read_manifest
 from .output import check_empty, check_outside, first_missing, partial_file, remove_made
 from .save import commit, writing
@@ -45,9 +53,10 @@ def deepspeed_classes():
 
 
 class Source:
-    """A zero checkpoint, as the DeepSpeed writer needs it."""
+    """A zero checkpoint, as the DeepSpeed writer needs it; `optimizer`: the
+    optimizer DeepSpeed resumes with (None: the one of the config zero ran with)."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, optimizer: str | None = None) -> None:
         self.directory = directory
         self.manifest = read_manifest(directory)
         self.state = read_engine_state(directory, self.manifest)
@@ -58,12 +67,19 @@ class Source:
         self.stage, self.world_size = int(self.state["stage"]), int(self.state["world_size"])
         if self.stage not in (1, 2, 3):
             raise ValueError(f"{directory}: a stage-{self.stage} checkpoint; DeepSpeed's ZeRO layout has stages 1-3")
+        self.optimizer = check_target(optimizer or self._optimizer())
         self.saved = SavedShards(directory, self.world_size, self.manifest)
         self.module = load_plain(check_file(directory, self.manifest, MODEL_STATES, crc=True), mmap=True)
         self.groups = self._groups()
         self.layout = flat_layout(self.stage, self.world_size,
                                   [[(n, math.prod(self.state["params"][n])) for n in g] for g in self.groups],
                                   sub_group_size=int(self.facts["sub_group_size"]))
+
+    def _optimizer(self) -> str:
+        if "optimizer" not in self.facts:
+            raise ValueError(f"{self.directory}: saved by a zero that did not record its DeepSpeed optimizer; name "
+                             f"the one DeepSpeed resumes with (--optimizer, or --ds-config with its config)")
+        return self.facts["optimizer"]
 
     def _groups(self) -> list[list[str]]:
         """Each optimizer param group's parameters, in module order (DeepSpeed's flat-group order)."""
@@ -110,15 +126,20 @@ class Source:
         return out
 
 
-def convert(checkpoint_dir: str, out_dir: str, *, tag: str | None = None, overwrite: bool = False) -> str:
+def convert(checkpoint_dir: str, out_dir: str, *, tag: str | None = None, overwrite: bool = False,
+            ds_config: str | dict | None = None, optimizer: str | None = None) -> str:
     """Writes OUT/TAG in DeepSpeed's layout, with OUT/latest and DeepSpeed's
-    zero_to_fp32.py beside it; returns its path. ValueError when OUT is, is
-    inside or contains the checkpoint, or (unless `overwrite`) is not empty."""
+    zero_to_fp32.py beside it; returns its path. The optimizer states are in
+    the layout of `optimizer` ("torch.optim.AdamW", "FusedAdam",
+    "DeepSpeedCPUAdam"), or of the one DeepSpeed builds from `ds_config` (a
+    dict or a JSON file), or of the config zero ran with. ValueError when OUT
+    is, is inside or contains the checkpoint, or (unless `overwrite`) is not
+    empty, or when zero's optimizer states have no such layout."""
     directory = checkpoint_directory(checkpoint_dir, tag)
     check_outside("to_deepspeed", out_dir, (checkpoint_dir, directory))
     check_empty("to_deepspeed", out_dir, folder=True, overwrite=overwrite)
     classes = deepspeed_classes()
-    source = Source(directory)
+    source = Source(directory, optimizer or resumed_with(ds_config))
     tag = tag or os.path.basename(os.path.normpath(directory))
     target, partial = os.path.join(out_dir, tag), os.path.join(out_dir, f".{tag}.partial")
     made = first_missing(out_dir)
@@ -142,6 +163,23 @@ def convert(checkpoint_dir: str, out_dir: str, *, tag: str | None = None, overwr
     return target
 
 
+def resumed_with(ds_config: str | dict | None) -> str | None:
+    """The optimizer DeepSpeed builds from `ds_config` (None without one)."""
+    if ds_config is None:
+        return None
+    if not isinstance(ds_config, dict):
+        try:
+            with open(ds_config) as f:
+                ds_config = json.load(f)
+        except (OSError, ValueError) as error:
+            raise ValueError(f"to_deepspeed: --ds-config {ds_config}: {error}") from None
+    name = built_by(ds_config)
+    if name is None:
+        raise ValueError(f"to_deepspeed: the DeepSpeed config has no 'optimizer' section to name the optimizer it "
+                         f"resumes with; pass --optimizer (torch.optim.AdamW, {FUSED_ADAM} or {CPU_ADAM})")
+    return name
+
+
 def write_all(source: Source, partial: str, classes) -> None:
     bf16 = source.state["dtype"] == "bfloat16"
     for rank in range(source.world_size):
@@ -160,11 +198,14 @@ def save(state: dict, path: str) -> None:
 
 def ds_config(source: Source) -> dict:
     layout, dtype = source.state["layout"], source.state["dtype"]
+    optimizer_config = config_for(source.optimizer, source.facts.get("adamw", True))
     return {"train_micro_batch_size_per_gpu": layout["micro_batch_size"],
             "gradient_accumulation_steps": layout["gradient_accumulation_steps"],
             "gradient_clipping": source.facts["clip_grad"],
             "bf16": {"enabled": dtype == "bfloat16"}, "fp16": {"enabled": dtype == "float16"},
-            "zero_optimization": {"stage": source.stage, "sub_group_size": source.facts["sub_group_size"]}}
+            **optimizer_config,
+            "zero_optimization": {"stage": source.stage, "sub_group_size": source.facts["sub_group_size"],
+                                  **optimizer_config.get("zero_optimization", {})}}
 
 
 def model_states(source: Source, rank: int) -> dict:
@@ -206,8 +247,10 @@ def fragment(value: torch.Tensor, rank: int, world_size: int, stage: int) -> tor
 def optim_states(source: Source, rank: int, classes) -> dict:
     loss_scaler, dynamic_loss_scaler, stage_enum, fragment_address = classes
     layout: Layout = source.layout
-    hyper = [dict(g) for g in source.state["param_groups"]]
-    states = {g: source.optimizer_state(rank, g) for g in range(len(layout.sizes))}
+    where = f"to_deepspeed {source.directory}"
+    hyper = [write_group(source.optimizer, g, where) for g in source.state["param_groups"]]
+    states = {g: write_state(source.optimizer, source.optimizer_state(rank, g), where)
+              for g in range(len(layout.sizes))}
     scaler = make_scaler(source, loss_scaler, dynamic_loss_scaler)
     common = {"loss_scaler": scaler, "dynamic_loss_scale": bool(scaler.dynamic), "overflow": False}
     if source.stage == 3:
@@ -269,9 +312,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tag", default=None, help="checkpoint tag (default: the one `latest` names)")
     parser.add_argument("--overwrite", action="store_true",
                         help="write into an OUT that is not empty (TAG, latest and zero_to_fp32.py are replaced)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--ds-config", default=None, help="the DeepSpeed config JSON the run resumes with: its "
+                       "optimizer's layout (default: the config zero ran with)")
+    which.add_argument("--optimizer", default=None, help=f"the optimizer DeepSpeed resumes with: torch.optim.AdamW "
+                       f"(torch_adam), {FUSED_ADAM} or {CPU_ADAM} (offload_optimizer)")
     args = parser.parse_args(argv)
     try:
-        print(convert(args.checkpoint_dir, args.output_dir, tag=args.tag, overwrite=args.overwrite))
+        print(convert(args.checkpoint_dir, args.output_dir, tag=args.tag, overwrite=args.overwrite,
+                      ds_config=args.ds_config, optimizer=args.optimizer))
     except ValueError as error:  # the caller's paths or checkpoint: the message says it all
         sys.exit(f"{parser.prog}: error: {error}")
 
