@@ -11,9 +11,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions
 
-from . import backend_ops, backend_p2p, collectives, profiling, recorder
+from . import backend_ops, backend_p2p, collectives, dynamo, profiling, recorder
 from .backend_work import (accelerated_redop, accelerates, backend_work, finished_work, is_async, on_cuda, takes,
                            use_comm_thread, wait_forwarded)
+from .forwarding import ForwardingGloo
 from .group import GroupOptions, create_group
 from .ops import ReduceOp
 
@@ -33,7 +34,8 @@ STORE_PREFIX = "ringcomm-backend/"
 #   are FinishedWorks ([Note: finished works] in backend_work.py); any other
 #   call goes the general path, which checks it.
 # Forwarded collectives (gather, scatter, reduce, all_to_all, allgather_coalesced,
-# and accelerated ones whose tensors ringcomm does not take) -> internal gloo, but
+# and accelerated ones whose tensors ringcomm does not take) -> an internal gloo
+# group of their own ([Note: forwarded works at exit] in forwarding.py), but
 # run through the ringcomm group like its own calls (Group.run), so that every
 # collective of this group completes in launch order.
 # Point-to-point (send, recv, recv_anysource; isend, irecv, batch_isend_irecv are
@@ -68,6 +70,8 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         store = dist.PrefixStore(STORE_PREFIX, store)
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world_size, timeout)
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)
+        # Forwarded collectives: a gloo group of their own ([Note: forwarded works at exit]).
+        self._forwarding = ForwardingGloo(self, dist.PrefixStore("gloo-forwarded/", store), rank, world_size, timeout)
         self._nccl = _nccl_backend(dist.PrefixStore("nccl/", store), rank, world_size, timeout)
         if self._nccl is not None:
             self._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, self._nccl)
@@ -253,6 +257,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         calls are refused, the calls in flight and queued may finish (up to the
         group's timeout, then they are aborted), then everything is released."""
         self._group.close()
+        self._forwarding.release()
         for backend in (self._gloo, self._nccl):
             if backend is not None:
                 backend.shutdown()
@@ -261,6 +266,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         """As ProcessGroupNCCL.abort: the call in flight fails at once, queued ones
         fail without starting ("aborted"); then everything is released."""
         self._group.abort()
+        self._forwarding.abort()
         for backend in (self._gloo, self._nccl):
             if backend is not None:
                 backend.abort()
@@ -319,7 +325,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
             return call(self._nccl)
 
         def body() -> None:
-            wait_forwarded(call(self._gloo), op, self._rank, self._timeout_s)
+            wait_forwarded(call(self._forwarding.backend), op, self._rank, self._timeout_s)
 
         return self._run(op, body, opts, list(tensors) if value is None else value, inputs=inputs)
 
@@ -351,3 +357,4 @@ def register_backend() -> None:
 
 
 register_backend()  # on import: `import ringcomm` makes dist.init_process_group("ringcomm") work
+dynamo.skip_in_dynamo()  # and under torch.compile, torch's calls into the backend run eagerly
