@@ -30,4 +30,13 @@ inline int64_t element_nbytes(DType dtype) {
   return 0;
 }
 
+// One spin-wait pause (a waiter polling a flag another process sets).
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
 }  // namespace ringcomm

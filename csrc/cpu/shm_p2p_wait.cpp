@@ -26,14 +26,6 @@ using Clock = std::chrono::steady_clock;
 constexpr auto kLivenessCheck = std::chrono::milliseconds(20);
 constexpr int64_t kMaxSleepNs = 10'000'000;
 
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
-
 uint32_t* futex_word(std::atomic<uint32_t>& word) { return reinterpret_cast<uint32_t*>(&word); }
 
 const char* op_name(const P2pRequest& request) {
