@@ -242,7 +242,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         return self._point_to_point(backend_p2p.RECV_ANYSOURCE, tensors, None, tag)
 
     def _point_to_point(self, op: str, tensors: list[torch.Tensor], peer: int | None, tag: int) -> dist.Work:
-        if (len(tensors) == 1 and backend_p2p.takes(tensors[0])) or all(map(backend_p2p.takes, tensors)):
+        if all(map(backend_p2p.takes, tensors)):  # start() refuses any count but one
             return backend_p2p.start(self._p2p, op, tensors, peer, tag, rank=self._rank, world_size=self._world_size)
         if on_cuda(tensors) and self._nccl is None:
             raise RuntimeError(f"{op}: rank {self._rank} got CUDA tensors but NCCL is not available here")
