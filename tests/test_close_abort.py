@@ -1,7 +1,7 @@
 """Close, abort and destroy from another thread while a collective runs, on both
 transports and through the backend: no crash (each rank is a process of its
 own, so a SIGSEGV fails the test), no hang, the documented error ([Note: group
-lifetime] in ringcomm/group.py), and default groups that follow torch's world."""
+lifetime] in ringcomm/comm/group.py), and default groups that follow torch's world."""
 from __future__ import annotations
 
 import gc
@@ -250,16 +250,16 @@ class _DeadStore:
 
 
 def test_failure_diagnosis_is_bounded_when_the_store_hangs():
-    from ringcomm.transport import torch_dist
+    from ringcomm.transport import link
 
     store = _DeadStore()
-    diagnosis = torch_dist._Diagnosis(None, 0, 2)
+    diagnosis = link.Diagnosis(None, 0, 2)
     diagnosis.store = store  # after start-up, when the link to the store's host died
     start = time.monotonic()
     note = diagnosis.explain("all_reduce: rank 0 failed")
     elapsed = time.monotonic() - start
     store.release.set()
-    limit = torch_dist.EXPLAIN_WAIT_S + torch_dist.EXPLAIN_STORE_S
+    limit = link.EXPLAIN_WAIT_S + link.EXPLAIN_STORE_S
     assert elapsed < limit + 0.5, f"the diagnosis took {elapsed:.1f} s (bound {limit} s)"
     assert "store did not answer" in note, note
 

@@ -1,4 +1,4 @@
-"""csrc/cuda/quant.cu through ringcomm.cuda_quant: the Python arguments match the kernels'
+"""csrc/cuda/quant.cu through ringcomm.kernels.cuda_quant: the Python arguments match the kernels'
 parameters (no GPU needed), and on a GPU with CuPy the kernels match the CPU kernels bit for bit.
 (tests/test_cuda.py compiles quant.cu with nvcc and checks its launchers' argument checks.)"""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from ringcomm import cuda_quant, quant
+from ringcomm.kernels import cuda_quant, quant
 
 C_TYPES = {"unsigned long long": np.uint64, "int": np.int32, "long long": np.int64}
 GPU = torch.cuda.is_available() and importlib.util.find_spec("cupy") is not None

@@ -179,7 +179,7 @@ def test_dead_peer_between_levels_fails_every_rank():
 
 
 def test_placement_and_auto_choice_are_pure():
-    from ringcomm.transport.hierarchical import auto_transport, plan_placement
+    from ringcomm.algorithms.hierarchical import auto_transport, plan_placement
 
     interleaved = plan_placement(INTERLEAVED)
     assert interleaved.ranks_on == ((0, 2), (1, 3)) and not interleaved.is_host_major()

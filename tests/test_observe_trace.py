@@ -1,7 +1,7 @@
 """The flight recorder and its analyzer ([Note: flight recorder]) on 3 ranks: a
 rank that skips a collective, a rank that is stopped, and ranks that call
 different collectives of equal byte counts are each named by
-`python -m ringcomm.trace DIR`; a signal dumps a rank stuck in a collective."""
+`python -m ringcomm.observe.trace DIR`; a signal dumps a rank stuck in a collective."""
 from __future__ import annotations
 
 import json
@@ -19,14 +19,14 @@ import torch.distributed as dist
 from harness import run_ranks
 
 import ringcomm
-from ringcomm import trace
+from ringcomm.observe import trace
 
 TIMEOUT_S = 3.0  # the group's: how long the waiting ranks wait before they fail and dump
 
 
 def analyzer_output(directory: str) -> str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run([sys.executable, "-m", "ringcomm.trace", directory], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "ringcomm.observe.trace", directory], capture_output=True, text=True,
                           timeout=60, env=env)
     assert done.returncode == 0, done.stderr
     return done.stdout
@@ -192,7 +192,7 @@ def two_runs(tmp_path_factory) -> dict:
 
 
 def analyzer(capsys, *args: str) -> tuple[int, str, str]:
-    """`python -m ringcomm.trace ARGS`, in this process: (exit status, stdout, stderr)."""
+    """`python -m ringcomm.observe.trace ARGS`, in this process: (exit status, stdout, stderr)."""
     status = trace.main(list(args))
     out, err = capsys.readouterr()
     return status, out, err

@@ -1,9 +1,9 @@
 """The tables and helpers Python and C++ share have one home each, and the
-other side agrees with it: dtype, reduce-op and call-kind codes (ringcomm/ops.py
+other side agrees with it: dtype, reduce-op and call-kind codes (ringcomm/core/ops.py
 against csrc/cpu/common.h, csrc/cpu/shm.h, csrc/cuda/reduce.cu), chunk bounds
-(ringcomm.schedule against csrc/cpu/shm_plan.h), a process's state
-(csrc/cpu/process.h, through ringcomm.host), the ring volume
-(ringcomm.schedule) and the stage table (zero.sharding.policy); the pure
+(ringcomm.plan.schedule against csrc/cpu/shm_plan.h), a process's state
+(csrc/cpu/process.h, through ringcomm.core.host), the ring volume
+(ringcomm.plan.schedule) and the stage table (zero.sharding.policy); the pure
 planning modules import nothing but the standard library and each other."""
 from __future__ import annotations
 
@@ -19,8 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from ringcomm import _C, host, schedule
-from ringcomm.ops import DTYPE_CODES, OP_KINDS, ReduceOp
+from ringcomm import _C
+from ringcomm.core import host
+from ringcomm.plan import schedule
+from ringcomm.core.ops import DTYPE_CODES, OP_KINDS, ReduceOp
 from ringcomm.transport import agreement
 from zero.estimate import memory_model as mm
 from zero.sharding.policy import STAGES, ShardingPolicy
@@ -129,8 +131,8 @@ def test_stage_table(stage: int) -> None:
         (policy.shard_params, policy.shard_grads, policy.shard_optimizer)
 
 
-PURE = {"ringcomm/schedule.py": set(), "ringcomm/layout.py": {"ringcomm.schedule"},
-        "zero/sharding/policy.py": set(), "zero/estimate/memory_model.py": {"ringcomm.schedule", "zero.sharding.policy"}}
+PURE = {"ringcomm/plan/schedule.py": set(), "ringcomm/plan/layout.py": {"ringcomm.plan.schedule"},
+        "zero/sharding/policy.py": set(), "zero/estimate/memory_model.py": {"ringcomm.plan.schedule", "zero.sharding.policy"}}
 
 
 @pytest.mark.parametrize("path", sorted(PURE))
@@ -155,8 +157,8 @@ def test_one_home_each() -> None:
     """The core count, the /proc reading of a process's state and the enum codes are written once."""
     sources = [p for d in ("ringcomm", "zero", "csrc") for p in (ROOT / d).rglob("*")
                if p.suffix in (".py", ".cpp", ".h", ".cu")]
-    homes = {"sched_getaffinity": {"ringcomm/host.py"}, '"/proc/" + std::to_string(pid)': {"csrc/cpu/process.cpp"},
-             "torch.bfloat16: 2": {"ringcomm/ops.py"}, '"all_gather": 3': {"ringcomm/ops.py"}}
+    homes = {"sched_getaffinity": {"ringcomm/core/host.py"}, '"/proc/" + std::to_string(pid)': {"csrc/cpu/process.cpp"},
+             "torch.bfloat16: 2": {"ringcomm/core/ops.py"}, '"all_gather": 3': {"ringcomm/core/ops.py"}}
     for needle, expected in homes.items():
         found = {str(p.relative_to(ROOT)) for p in sources if needle in p.read_text()}
         assert found == expected, f"{needle!r} is written in {sorted(found)}"

@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-from ringcomm.schedule import bus_factor
+from ringcomm.plan.schedule import bus_factor
 
 from ..sharding.policy import STAGES, ShardingPolicy
 

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ringcomm.layout import BufferLayout, plan_buckets, plan_module_buckets
+from ringcomm.plan.layout import BufferLayout, plan_buckets, plan_module_buckets
 from ringcomm.transport.placement import host_name
 
 from .. import comm as comm_mod
@@ -59,7 +59,7 @@ def trainable_params(model: nn.Module) -> list[nn.Parameter]:
 
 def plan_layout(model: nn.Module, params: list[nn.Parameter], cfg: config_mod.EngineConfig,
                 world_size: int) -> tuple[BufferLayout, dict[nn.Module, tuple[int, ...]]]:
-    """The buckets (ringcomm.layout) and, for stage 3, the buckets each module
+    """The buckets (ringcomm.plan.layout) and, for stage 3, the buckets each module
     gathers around its use (persistent parameters stay whole in a resident bucket)."""
     numels = [zero_init.full_numel(p) for p in params]
     if not cfg.zero.policy.shard_params:

@@ -10,7 +10,7 @@ and the engine call: unshard / reshard (stage 3), reduce_grads, step.
     policy.shard_grads      reduce every micro-step from a transient bucket into
                             a chunk-sized accumulator (else accumulate whole
                             gradients locally and reduce at the boundary);
-                            ringcomm.overlap.OwnedBucketScheduler runs the gradient side.
+                            ringcomm.buckets.overlap.OwnedBucketScheduler runs the gradient side.
     policy.shard_params     buckets are not resident: only the chunk is kept and
                             gather.py unshards a bucket around its module's use.
 """
@@ -21,10 +21,10 @@ import contextlib
 import torch
 from torch import nn
 
-from ringcomm.buffer import GradBucket
-from ringcomm.layout import BufferLayout
-from ringcomm.overlap import OwnedBucketScheduler
-from ringcomm.schedule import Span
+from ringcomm.buckets.buffer import GradBucket
+from ringcomm.plan.layout import BufferLayout
+from ringcomm.buckets.overlap import OwnedBucketScheduler
+from ringcomm.plan.schedule import Span
 
 from ..offload import host_adam
 from ..runtime.optim import unscaled
@@ -224,7 +224,7 @@ class ParamGroup:
                 try:
                     scaled_loss.backward()
                 except BaseException:
-                    self.scheduler.discard_step()  # ringcomm.overlap [Note: a failed step]
+                    self.scheduler.discard_step()  # ringcomm.buckets.overlap [Note: a failed step]
                     raise
                 self.scheduler.finish()
         finally:

@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 
 import ringcomm
-from ringcomm.ops import LOW_PRECISION
-from ringcomm.quantized import Rows
-from ringcomm.schedule import sent_numel
-from ringcomm.work import completed_future
+from ringcomm.core.ops import LOW_PRECISION
+from ringcomm.comm.quantized import Rows
+from ringcomm.plan.schedule import sent_numel
+from ringcomm.comm.work import completed_future
 
 from ..monitor import comms
 from .wire import Topology, WireReport

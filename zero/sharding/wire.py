@@ -12,7 +12,7 @@ a reduce-scatter's input; a quantized one's rows), N = H hosts x L ranks.
         float32); all_reduce 2 (H-1) S/N across, 2 (L-1)/L S inside.
     quantized reduce_scatter (all-to-alls): one level, S/N to each other rank
         (across for those on other hosts); two levels, as hierarchical
-        all_gather (ringcomm/quantized.py [Note: quantized reduce-scatter]).
+        all_gather (ringcomm/comm/quantized.py [Note: quantized reduce-scatter]).
 Small all_reduces (the gradient norm) take another route; they are a few bytes.
 """
 from __future__ import annotations
