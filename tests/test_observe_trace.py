@@ -238,3 +238,40 @@ def test_damaged_dumps_are_named_and_the_others_analyzed(two_runs, tmp_path, cap
         assert f"left out {paths[rank]}: {reason}" in out, (rank, out)
     assert "3 files left out, the analysis below is of the other dumps" in out, out
     assert "dumps from ranks 0\n" in out and "rank 1: its file was left out" in out, out
+
+
+# ---- group ids across ranks: subgroups that some ranks never see ----
+def subgroups_worker(rank: int, world_size: int, directory: str) -> None:
+    """Two disjoint pairs that call different collectives, a pair across them, and
+    a backend subgroup per pair; every rank dumps its groups."""
+    pairs = [ringcomm.new_group([0, 1]), ringcomm.new_group([2, 3])]
+    pair = pairs[rank // 2]
+    if rank < 2:
+        ringcomm.all_reduce(torch.ones(4), group=pair)
+    else:
+        ringcomm.all_gather(torch.empty(8), torch.ones(4), group=pair)
+    across = ringcomm.new_group([0, 2])  # ranks 1 and 3 get None and make no Group
+    if across is not None:
+        ringcomm.all_reduce(torch.ones(3), group=across)
+    backend = [dist.new_group([0, 1], backend="ringcomm"), dist.new_group([2, 3], backend="ringcomm")][rank // 2]
+    dist.all_reduce(torch.ones(6), group=backend)
+    ringcomm.dump_trace(directory)
+    dist.barrier()  # every rank dumped before any group goes away
+    for group in (pair, across):
+        if group is not None:
+            group.close()
+
+
+def test_group_ids_name_the_same_group_on_every_rank(tmp_path) -> None:
+    run_ranks(subgroups_worker, 4, str(tmp_path), timeout=120)
+    reports = trace.analyze(trace.load(str(tmp_path)))
+    seen = sorted((tuple(r.global_ranks), tuple(sorted(r.last_completed)), tuple(r.missing), tuple(r.mismatches))
+                  for r in reports)
+    # Per pair: its ringcomm group (1 call) and its backend group (1 call); the cross pair once.
+    assert seen == [((0, 1), (0, 1), (), ()), ((0, 1), (0, 1), (), ()), ((0, 2), (0, 2), (), ()),
+                    ((2, 3), (2, 3), (), ()), ((2, 3), (2, 3), (), ())], "\n".join(map(str, reports))
+    os.remove(tmp_path / "ringcomm_trace_rank_3.json")  # rank 3 left no dump: only its groups miss it
+    reports = trace.analyze(trace.load(str(tmp_path)))
+    missing = sorted((tuple(r.global_ranks), tuple(r.missing)) for r in reports)
+    assert missing == [((0, 1), ()), ((0, 1), ()), ((0, 2), ()), ((2, 3), (3,)), ((2, 3), (3,))], \
+        "\n".join(map(str, reports))
