@@ -72,7 +72,7 @@ def check_memory_and_wire(rank: int, world_size: int, stage: int, dtype_name: st
 def check_forced_overflow(rank: int, world_size: int, stage: int, static: bool = False) -> list[float]:
     """`x` steps get an inf in one gradient element on the last rank only. A
     static fp16 scale also skips those steps, and never moves."""
-    pattern, expected = "xx...x.x", [16, 8, 8, 8, 16, 16, 16, 8]
+    pattern, expected = "xx....x.x", [16, 8, 8, 8, 8, 16, 16, 16, 8]
     if static:
         expected = [16.0] * len(pattern)
     model = make_mlp()
