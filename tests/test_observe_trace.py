@@ -19,7 +19,7 @@ import torch.distributed as dist
 from harness import run_ranks
 
 import ringcomm
-from ringcomm import trace
+from ringcomm import recorder, trace
 
 TIMEOUT_S = 3.0  # the group's: how long the waiting ranks wait before they fail and dump
 
@@ -73,7 +73,7 @@ def stop_worker(rank: int, world_size: int, directory: str) -> dict:
         os.kill(os.getpid(), signal.SIGSTOP)
     seen: dict = {}
     if rank == 0:
-        threading.Thread(target=signal_while_waiting, args=(directory, seen), daemon=True).start()
+        threading.Thread(target=signal_while_waiting, args=(directory, seen, group.recorder), daemon=True).start()
     try:
         ringcomm.all_reduce(torch.ones(5), group=group)
     except RuntimeError as err:
@@ -83,9 +83,13 @@ def stop_worker(rank: int, world_size: int, directory: str) -> dict:
     return seen
 
 
-def signal_while_waiting(directory: str, seen: dict) -> None:
-    """SIGUSR1 to this process while its main thread waits in the collective."""
-    time.sleep(TIMEOUT_S / 3)
+def signal_while_waiting(directory: str, seen: dict, group: recorder.FlightRecorder) -> None:
+    """SIGUSR1 to this process while its main thread waits in the collective:
+    once the flight recorder shows that call (the second all_reduce) started."""
+    deadline = time.monotonic() + TIMEOUT_S / 2
+    while not any(e["collective_seq_id"] == 2 and e["state"] == "started" for e in group.entries()):
+        assert time.monotonic() < deadline, "the second all_reduce never started"
+        time.sleep(0.001)
     os.kill(os.getpid(), signal.SIGUSR1)
     path = os.path.join(directory, "ringcomm_trace_rank_0.json")
     deadline = time.monotonic() + TIMEOUT_S / 3
