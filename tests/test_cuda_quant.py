@@ -40,9 +40,16 @@ def test_python_matches_kernel_signatures():
 
 def test_cuda_tensor_without_kernels_is_a_clear_error():
     if GPU:
-        pytest.skip("the kernels are there")
+        pytest.skip("the kernels are there (a CUDA device and cupy)")
+    reason = cuda_quant.unavailable_reason()
+    assert not cuda_quant.available() and reason, reason
     if not torch.cuda.is_available():
-        assert not cuda_quant.available() and "CUDA" in cuda_quant.unavailable_reason()
+        assert "CUDA" in reason, reason
+        return
+    # A CUDA device without cupy: the reason names it, and a CUDA tensor is refused with it.
+    assert "cupy" in reason, reason
+    with pytest.raises(RuntimeError, match="CUDA tensors need the CUDA kernels: cupy is not importable"):
+        quant.quantize(torch.ones(8, device="cuda"), bits=8, block=4)
 
 
 @pytest.mark.skipif(not GPU, reason="needs a CUDA device and cupy")

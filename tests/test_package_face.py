@@ -48,7 +48,7 @@ def test_every_public_name_resolves() -> None:
     for name in ringcomm.__all__:
         assert getattr(ringcomm, name) is not None, name
     assert ringcomm.all_reduce.__module__ == "ringcomm.comm.collectives"
-    assert ringcomm.process_group.__name__ == "ringcomm.backend.process_group"
+    assert ringcomm.backend.process_group.__name__ == "ringcomm.backend.process_group"
     assert set(ringcomm.__all__) <= set(dir(ringcomm))
     with pytest.raises(AttributeError, match="no attribute 'all_reduse'"):
         ringcomm.all_reduse

@@ -75,16 +75,16 @@ class Pipeline:
                 stages.across(0)
             stages.after(0)
             return
-        pending: list[concurrent.futures.Future] = []
+        pending: list[concurrent.futures.Future] = []  # a piece leaves it once its cross step is done
         try:
             for k in range(count):
                 if stages.before:
                     stages.before(k)
                 pending.append(self._thread().submit(stages.across, k))
                 if k >= AHEAD:
-                    self._finish(stages, k - AHEAD, pending.pop(0), bound_s)
+                    self._finish(stages, k - AHEAD, pending, bound_s)
             for k in range(max(0, count - AHEAD), count):
-                self._finish(stages, k, pending.pop(0), bound_s)
+                self._finish(stages, k, pending, bound_s)
         except BaseException:
             _, running = concurrent.futures.wait(pending, timeout=len(pending) * (self.timeout_s + 1))
             if running:  # the cross thread still uses this call's buffers: make its calls fail
@@ -92,13 +92,17 @@ class Pipeline:
                 concurrent.futures.wait(running, timeout=len(running) * (self.timeout_s + 1))
             raise
 
-    def _finish(self, stages: Stages, k: int, future: concurrent.futures.Future, bound_s: float) -> None:
+    def _finish(self, stages: Stages, k: int, pending: list[concurrent.futures.Future], bound_s: float) -> None:
+        """Waits for piece k's cross step (pending[0]) and runs its step after. The
+        piece leaves `pending` only once its cross step is done: one that fails
+        or times out stays there, for run()'s cleanup to wait for or abort."""
         what = f"{stages.cross_what} of piece {k}"
         with self._step(stages.op, stages.cross_step, what):
             try:
-                future.result(timeout=bound_s)
+                pending[0].result(timeout=bound_s)
             except concurrent.futures.TimeoutError as err:
                 raise RuntimeError(f"{stages.op}: rank {self.rank}: {what} took over {bound_s} s") from err
+        pending.pop(0)
         stages.after(k)
 
     def _thread(self) -> concurrent.futures.ThreadPoolExecutor:

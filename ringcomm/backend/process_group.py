@@ -65,7 +65,10 @@ STORE_PREFIX = "ringcomm-backend/"
 class ProcessGroupRingcomm(dist.ProcessGroup):
     """One group of torch.distributed on ringcomm's collectives."""
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> None:
+    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta, *,
+                 global_ranks: tuple[int, ...] | None = None) -> None:
+        """`global_ranks`: the group's ranks in the default group, for the flight
+        recorder (None: the group is the world)."""
         super().__init__(rank, world_size)  # the (store, rank, size) form is not subclassable in 2.13
         self._rank, self._world_size = rank, world_size
         self._timeout_s = timeout.total_seconds()
@@ -81,7 +84,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         # No pg: a torch_dist transport gets its own gloo group, so that its ring's
         # tags never meet the user's send/recv tags on self._gloo.
         self._group = create_group(dist.PrefixStore("group/", store), rank, world_size,
-                                   options=GroupOptions(timeout_s=self._timeout_s))
+                                   options=GroupOptions(timeout_s=self._timeout_s), global_ranks=global_ranks)
         self._comm_thread = use_comm_thread(self._group.transport.kind, world_size)
         self._transport = self._group.transport  # a group keeps its transport
         self._supports = self._transport.supports  # the lean path's check
@@ -346,6 +349,10 @@ def _nccl_backend(store: dist.Store, rank: int, world_size: int, timeout: timede
     return dist.ProcessGroupNCCL(store, rank, world_size, compat.nccl_options(timeout))
 
 
-def create_backend(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> ProcessGroupRingcomm:
-    """The creator torch.distributed calls for backend "ringcomm"."""
-    return ProcessGroupRingcomm(store, rank, world_size, timeout)
+def create_backend(options: object, backend_options: object = None) -> ProcessGroupRingcomm:
+    """The creator torch.distributed calls for backend "ringcomm" (its extended
+    form: `options` is a _DistributedBackendOptions, whose global ranks are
+    empty for the default group; `backend_options`, the caller's pg_options, is
+    not used)."""
+    return ProcessGroupRingcomm(options.store, options.group_rank, options.group_size, options.timeout,
+                                global_ranks=tuple(options.global_ranks_in_group) or None)

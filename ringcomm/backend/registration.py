@@ -5,7 +5,6 @@ the first group is made, not before."""
 from __future__ import annotations
 
 import types
-from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -20,11 +19,12 @@ def register(torch_module: types.ModuleType | None = None) -> None:
     tracing ringcomm (idempotent). `torch_module`: the loaded torch, unused (the
     signature of an after_import callback)."""
     if dist.is_available() and not compat.backend_registered(BACKEND_NAME):
-        dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu", "cuda"])
+        dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu", "cuda"], extended_api=True)
     dynamo.skip_in_dynamo()
 
 
-def _create(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> dist.ProcessGroup:
-    """The creator torch.distributed calls for backend "ringcomm"."""
+def _create(options: object, backend_options: object = None) -> dist.ProcessGroup:
+    """The creator torch.distributed calls for backend "ringcomm" (its extended
+    form, which names the group's global ranks: process_group.create_backend)."""
     from .process_group import create_backend
-    return create_backend(store, rank, world_size, timeout)
+    return create_backend(options, backend_options)

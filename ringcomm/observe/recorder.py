@@ -52,9 +52,13 @@ FILE_PREFIX = "ringcomm_trace_rank_"
 SEQ, OP, INPUTS, OUTPUTS, DTYPE, REDOP, STATE, CREATED, STARTED, COMPLETED, ERROR, FRAMES = range(12)
 
 _recorders: weakref.WeakSet[FlightRecorder] = weakref.WeakSet()
-# The n-th group this process made: ranks make their groups in the same order,
-# so n names the same group in every rank's dump.
-_group_ids = itertools.count()
+# [Note: group ids] A group is named in the dumps by its global ranks and its id:
+# n for the n-th group over exactly these ranks that this process made. Only the
+# members of a group make it (a rank outside ringcomm.new_group's `ranks`, or
+# outside a backend subgroup, makes nothing), but the members make their groups
+# in the same order, so (global ranks, n) names the same group on every member,
+# and disjoint groups (hpZ's partitions: ranks 0-1 and 2-3) never share a name.
+_group_ids: dict[tuple[int, ...], itertools.count] = {}
 
 
 def buffer_size() -> int:
@@ -136,7 +140,7 @@ class FlightRecorder:
                  transport: str, handle: object | None) -> None:
         assert capacity > 0
         self.capacity = capacity
-        self.group_id = next(_group_ids)
+        self.group_id = next(_group_ids.setdefault(tuple(global_ranks), itertools.count()))  # [Note: group ids]
         self._seq = 0  # of the last call recorded here, where no handle numbers them
         self._handle = handle
         if handle is not None:
@@ -238,7 +242,7 @@ def dump(reason: str, directory: str | None = None, *, announce: bool = True) ->
         os.makedirs(directory, mode=0o700, exist_ok=True)
         payload = {"version": VERSION, "run_id": run_id(), "rank": rank, "world_size": world_size,
                    "pid": os.getpid(), "hostname": socket.gethostname(), "reason": reason, "time_ns": time.time_ns(),
-                   "groups": [r.snapshot() for r in sorted(recorders, key=lambda r: r.group_id)]}
+                   "groups": [r.snapshot() for r in sorted(recorders, key=lambda r: (r.global_ranks, r.group_id))]}
         path = os.path.join(directory, f"{FILE_PREFIX}{rank}.json")
         scratch = f"{path}.{os.getpid()}.tmp"
         with open(scratch, "w") as out:

@@ -65,12 +65,13 @@ def _describe(entry: dict) -> str:
 
 
 def analyze(dumps: dict[int, dict]) -> list[GroupReport]:
-    """One report per group found in any dump."""
-    groups: dict[int, dict[int, dict]] = {}  # group id -> global rank -> the group's part of its dump
+    """One report per group found in any dump; a group is its global ranks and
+    its id ([Note: group ids] in recorder.py)."""
+    groups: dict[tuple, dict[int, dict]] = {}  # (global ranks, group id) -> global rank -> its part of its dump
     for rank, dump in dumps.items():
         for group in dump["groups"]:
-            groups.setdefault(group["group_id"], {})[rank] = group
-    return [_analyze_group(group_id, parts) for group_id, parts in sorted(groups.items())]
+            groups.setdefault((tuple(group["global_ranks"]), group["group_id"]), {})[rank] = group
+    return [_analyze_group(group_id, parts) for (_, group_id), parts in sorted(groups.items())]
 
 
 def _analyze_group(group_id: int, parts: dict[int, dict]) -> GroupReport:
@@ -106,7 +107,8 @@ def render(directory: str, dumps: dict[int, dict], reports: list[GroupReport], *
         lines.append(f"  rank {rank} (pid {dump['pid']} on {dump['hostname']}): {dump['reason']}")
     for report in reports:
         ranks = report.global_ranks
-        lines.append(f"group {report.group_id} (global ranks {ranks[0]}..{ranks[-1]}, {report.transport}):")
+        span = f"{ranks[0]}..{ranks[-1]}" if ranks == list(range(ranks[0], ranks[-1] + 1)) else ", ".join(map(str, ranks))
+        lines.append(f"group {report.group_id} (global ranks {span}, {report.transport}):")
         lines.append("  last completed seq: " + ", ".join(f"rank {r}: {s}" for r, s in report.last_completed.items()))
         for rank, pending in report.pending.items():
             for text in pending:

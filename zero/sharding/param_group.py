@@ -109,7 +109,7 @@ def _fill_from_partitioned(members: list[nn.Parameter], layout: BufferLayout, sp
     chunk = span.local_chunk(rank)
     full = torch.zeros(span.numel, dtype=dtype, device=device) if span.resident else None
     shard = full[chunk.begin:chunk.end] if full is not None else torch.zeros(chunk.numel, dtype=dtype, device=device)
-    sent = comm.sent_nbytes  # set-up traffic is not a step's
+    counts = comm.take_wire()  # set-up traffic is not a step's
     for i, param in zip(span.param_indices, members):
         local = layout.local(i)
         if zero_init.is_partitioned(param):
@@ -127,7 +127,8 @@ def _fill_from_partitioned(members: list[nn.Parameter], layout: BufferLayout, sp
         begin, end = max(local.begin, chunk.begin), min(local.end, chunk.end)
         if begin < end:
             shard[begin - chunk.begin:end - chunk.begin].copy_(whole[begin - local.begin:end - local.begin])
-    comm.sent_nbytes = sent
+    comm.take_wire()
+    comm.restore_wire(counts)
     return full, shard
 
 
@@ -368,7 +369,7 @@ class ParamGroup:
     def full_masters(self) -> list[torch.Tensor]:
         """Every parameter's whole fp32 master, in parameter-index order (collective;
         for checkpoints and tests, not counted as step traffic)."""
-        sent, out = self.comm.sent_nbytes, {}
+        counts, out = self.comm.take_wire(), {}
         for bucket in self.buckets:
             whole = bucket.master
             if self.policy.shard_optimizer:
@@ -376,7 +377,8 @@ class ParamGroup:
                 self.comm.all_gather(whole, bucket.master.contiguous()).wait()
             for index, span, shape in zip(bucket.indices, bucket.spans, bucket.shapes):
                 out[index] = whole[span.begin:span.end].detach().clone().view(shape)
-        self.comm.sent_nbytes = sent
+        self.comm.take_wire()
+        self.comm.restore_wire(counts)
         return [out[i] for i in sorted(out)]
 
 
