@@ -120,6 +120,7 @@ def check_auto_choice(rank, world_size):
         os.environ["RINGCOMM_HOST"] = hosts[rank]
         group = ringcomm.new_group(timeout=30)
         assert group.transport.kind == kind, f"rank {rank} hosts {hosts}: {group!r}, expected {kind}"
+        assert group.placement.hosts == hosts, f"rank {rank}: the group's placement {group.placement}, hosts {hosts}"
         tensor = torch.full((11,), float(rank + 1))
         ringcomm.all_reduce(tensor, group=group)
         assert torch.all(tensor == 10), f"rank {rank} hosts {hosts}: {tensor}"
@@ -180,7 +181,7 @@ def test_dead_peer_between_levels_fails_every_rank():
 
 
 def test_placement_and_auto_choice_are_pure():
-    from ringcomm.algorithms.hierarchical import auto_transport, plan_placement
+    from ringcomm.transport.placement import auto_transport, plan_placement
 
     interleaved = plan_placement(INTERLEAVED)
     assert interleaved.ranks_on == ((0, 2), (1, 3)) and not interleaved.is_host_major()

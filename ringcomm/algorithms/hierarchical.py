@@ -14,8 +14,7 @@ from ..kernels.cpu import reduce_into
 from ..transport import agreement
 from ..transport.agreement import CallKey
 from ..transport.link import Diagnosis
-from ..transport.placement import (HOST_ENV, SETUP, Placement, auto_transport, consecutive, exchange_hosts,
-                                   host_name, plan_placement, shm_options_for_machine)
+from ..transport.placement import Placement, consecutive, shm_options_for_machine
 from ..transport.shm import ShmOptions, ShmTransport
 from . import ring
 from .flat_ring import TorchDistOptions, TorchDistTransport, open_torch_dist
@@ -389,7 +388,3 @@ class HierarchicalTransport:
 
 def _level_op(op: ReduceOp) -> ReduceOp:
     return ReduceOp.SUM if op == ReduceOp.AVG else op
-
-
-__all__ = ["HOST_ENV", "SETUP", "HierarchicalTransport", "Placement", "auto_transport", "exchange_hosts", "host_name",
-           "open_torch_dist", "plan_placement"]

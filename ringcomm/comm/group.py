@@ -18,12 +18,13 @@ import torch
 import torch.distributed as dist
 
 from ..algorithms.flat_ring import TorchDistOptions, open_torch_dist
-from ..algorithms.hierarchical import HierarchicalTransport, auto_transport, exchange_hosts, plan_placement
+from ..algorithms.hierarchical import HierarchicalTransport
 from ..core import arguments, compat
 from ..core.ops import ReduceOp
 from ..observe import profiling, recorder as recorder_mod
 from ..transport import rendezvous
 from ..transport.base import Transport
+from ..transport.placement import Placement, auto_transport, exchange_hosts, plan_placement
 from ..transport.shm import ShmOptions, ShmTransport
 from .work import Work
 
@@ -56,13 +57,14 @@ class Group:
     fine. Races that leave no call in flight on this rank cannot be seen here.
     """
 
-    def __init__(self, transport: Transport, global_ranks: tuple[int, ...], *,
+    def __init__(self, transport: Transport, global_ranks: tuple[int, ...], placement: Placement, *,
                  owned_pg: dist.ProcessGroup | None = None) -> None:
         self.transport = transport
         self.rank = transport.rank
         self.world_size = transport.world_size
         self.timeout_s = transport.timeout_s
         self.global_ranks = global_ranks
+        self.placement = placement  # the host of each group rank, exchanged once at set-up
         self._owned_pg = owned_pg  # shut down with the group
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._comm_thread: int | None = None  # its thread's ident, once it ran a call
@@ -272,10 +274,10 @@ def create_group(store: dist.Store, rank: int, world_size: int, *, options: Grou
     gloo group made on `store`, owned (and shut down) by the group; a hierarchical
     one owns its gloo group (see hierarchical.py)."""
     recorder_mod.agree_run_id(store)  # [Note: run id]
-    kind = resolve_transport(store, rank, world_size, options.transport, options.timeout_s)
-    pg, placement, fallback = None, None, ""
+    placement = plan_placement(exchange_hosts(store, rank, world_size, options.timeout_s))
+    kind = resolve_transport(options.transport, placement)
+    pg, fallback = None, ""
     if kind == "hierarchical":
-        placement = plan_placement(exchange_hosts(store, rank, world_size, options.timeout_s))
         fallback = placement.unsupported()
     if kind == "shm":
         transport: Transport = ShmTransport.create(dist.PrefixStore("shm/", store), rank, world_size, options.timeout_s,
@@ -286,10 +288,10 @@ def create_group(store: dist.Store, rank: int, world_size: int, *, options: Grou
     else:  # torch_dist, or the flat ring where the placement rules hierarchical out (describe() says why)
         transport, pg = open_torch_dist(store, rank, world_size, options.timeout_s, options.torch_dist,
                                         fallback=fallback)
-    return Group(transport, global_ranks or tuple(range(world_size)), owned_pg=pg)
+    return Group(transport, global_ranks or tuple(range(world_size)), placement, owned_pg=pg)
 
 
-def resolve_transport(store: dist.Store, rank: int, world_size: int, requested: str, timeout_s: float) -> str:
+def resolve_transport(requested: str, placement: Placement) -> str:
     """`RINGCOMM_TRANSPORT` wins over `requested`; "auto" compares the ranks' hosts
     (RINGCOMM_HOST, else the host name): shm on one host, torch_dist when every
     rank is on a host of its own, hierarchical otherwise."""
@@ -298,7 +300,7 @@ def resolve_transport(store: dist.Store, rank: int, world_size: int, requested: 
         raise ValueError(f"ringcomm: transport {kind!r} is not one of {TRANSPORTS} (RINGCOMM_TRANSPORT or transport=)")
     if kind != "auto":
         return kind
-    return auto_transport(exchange_hosts(store, rank, world_size, timeout_s))
+    return auto_transport(placement.hosts)
 
 
 def new_group(ranks: list[int] | None = None, *, transport: str = "auto", timeout: float | timedelta = DEFAULT_TIMEOUT_S,
