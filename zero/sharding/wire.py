@@ -7,7 +7,7 @@ a reduce-scatter's input; a quantized one's rows), N = H hosts x L ranks.
     flat ring (torch_dist; shm on one host): (N-1)/N S to the right-hand
         neighbour (twice for all_reduce): across hosts if that neighbour is
         on another host, else inside. torch_dist's ring sends the partial
-        sums of 16-bit floats in float32 (ringcomm/ring.py): its
+        sums of 16-bit floats in float32 (ringcomm/algorithms/ring.py): its
         reduce_scatter counts them twice, its all_reduce 2 + 1 times (the
         all-gather phase moves 16 bits); shm stages them as they are.
     hierarchical all_gather: (H-1) S/N across, (L-1) H S/N inside;
