@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from ..core.ops import LOW_PRECISION, ReduceOp
+from ..core.ops import LOW_PRECISION, ReduceOp, partial_op
 from ..kernels.cpu import reduce_into
 from ..transport import agreement
 from ..transport.agreement import CallKey
@@ -200,7 +200,7 @@ class HierarchicalTransport:
     def _all_reduce_body(self, input: torch.Tensor, output: torch.Tensor, shard_numel: int, op: ReduceOp) -> None:
         """Local reduce-scatter, cross-host all-reduce of the shard, local
         all-gather: piece by piece, pipelined ([Note: hierarchical pipeline])."""
-        local_size, wide, sum_op = self.placement.local_world_size, input.dtype in LOW_PRECISION, _level_op(op)
+        local_size, wide, sum_op = self.placement.local_world_size, input.dtype in LOW_PRECISION, partial_op(op)
         source = self._widened(0, input) if wide else input
         shards = self._scratch[1].get(shard_numel, torch.float32, input.device) if wide else None
         bounds = pieces(shard_numel, num_pieces(input.numel() * input.element_size()))
@@ -235,9 +235,9 @@ class HierarchicalTransport:
         wide = input.dtype in LOW_PRECISION
         work = self._widened(0, input) if wide else output
         with self._step("all_reduce", 4, "local all-reduce"):
-            self.local.all_reduce(output=work, input=input if not wide else work, op=_level_op(op))
+            self.local.all_reduce(output=work, input=input if not wide else work, op=partial_op(op))
         with self._step("all_reduce", 5, "cross-host all-reduce"):
-            self.cross.all_reduce(output=work, input=work, op=_level_op(op), agreed=True)
+            self.cross.all_reduce(output=work, input=work, op=partial_op(op), agreed=True)
         self._finish_reduction(work, output, op)
 
     def reduce_scatter(self, *, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> None:
@@ -259,12 +259,12 @@ class HierarchicalTransport:
                 block = self._host_chunks(input, ranks, numel, acc_dtype, lo, hi)
                 with self._step("reduce_scatter", 1, f"local reduce-scatter of host {host}'s chunks"):
                     self.local.reduce_scatter(output=partials[num_hosts * lo + host * (hi - lo):][:hi - lo],
-                                              input=block, op=_level_op(op))
+                                              input=block, op=partial_op(op))
 
         def across(k: int) -> None:
             lo, hi = bounds[k]
             self.cross.reduce_scatter(output=result[lo:hi], input=partials[num_hosts * lo:num_hosts * hi],
-                                      op=_level_op(op), agreed=True)
+                                      op=partial_op(op), agreed=True)
 
         def after(k: int) -> None:
             lo, hi = bounds[k]
@@ -385,10 +385,6 @@ class HierarchicalTransport:
             reduce_into(reduced, [reduced], ReduceOp.AVG, self.world_size)
         if reduced.data_ptr() != output.data_ptr() or reduced.dtype != output.dtype:
             output.copy_(reduced)
-
-
-def _level_op(op: ReduceOp) -> ReduceOp:
-    return ReduceOp.SUM if op == ReduceOp.AVG else op
 
 
 __all__ = ["HOST_ENV", "SETUP", "HierarchicalTransport", "Placement", "auto_transport", "exchange_hosts", "host_name",
