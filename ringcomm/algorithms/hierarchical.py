@@ -13,6 +13,7 @@ from ..core.ops import LOW_PRECISION, ReduceOp, partial_op
 from ..kernels.cpu import reduce_into
 from ..transport import agreement
 from ..transport.agreement import CallKey
+from ..transport.base import Levels
 from ..transport.link import Diagnosis
 from ..transport.placement import (HOST_ENV, SETUP, Placement, auto_transport, consecutive, exchange_hosts,
                                    host_name, plan_placement, shm_options_for_machine)
@@ -59,6 +60,7 @@ class HierarchicalTransport:
 
     kind = "hierarchical"
     p2p = None  # point-to-point: the backend forwards it to its process group (process_group.py)
+    handle = None  # no lean calls
 
     def __init__(self, rank: int, placement: Placement, local: ShmTransport, cross: TorchDistTransport,
                  cross_pg: dist.ProcessGroup, *, whole_max_nbytes: int, board: Diagnosis | None = None) -> None:
@@ -114,6 +116,19 @@ class HierarchicalTransport:
 
     def supports(self, tensor: torch.Tensor) -> bool:
         return tensor.is_cpu
+
+    @property
+    def broken(self) -> str:
+        """Why the transport refuses work after a failure ("" while it is usable)."""
+        return self._broken
+
+    def peer_aborted(self) -> str:
+        """A local peer that aborted the group (the cross level cannot tell; see broken)."""
+        return self.local.peer_aborted()
+
+    def mismatch_error(self, err: ValueError, op: str, key: CallKey | None = None) -> ValueError:
+        """`err` as it is: the agreement step raised it naming every rank's call."""
+        return err
 
     def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return self.local.allocate(numel, dtype)  # the local steps read it in place
@@ -180,7 +195,7 @@ class HierarchicalTransport:
 
     def agree(self, key: CallKey) -> None:
         """Collective: the agreement step alone, for a caller that moves its data
-        through levels()."""
+        through levels() (Levels.agree)."""
         self._agree("all_to_all", None, 0, key=key)
 
     def all_reduce(self, *, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> None:
@@ -313,10 +328,10 @@ class HierarchicalTransport:
         bound_s = self.timeout_s * (2 * self.placement.num_hosts * segments + 2)
         self._pipe.run(Stages(op, cross_step, cross_what, before, across, after), len(bounds), bound_s)
 
-    def levels(self) -> tuple[Callable[..., None], Callable[..., None], tuple[tuple[int, ...], ...]]:
-        """(local all_to_all, cross-host all_to_all, ranks of each host): the two
-        levels for collectives that reduce where the data lands (ringcomm.comm.quantized),
-        after agree(); a failure of either is this group's, as in every step here."""
+    def levels(self) -> Levels:
+        """The two levels for collectives that reduce where the data lands
+        (ringcomm.comm.quantized); a failure of either is this group's, as in
+        every step here."""
         def local(*, output: torch.Tensor, input: torch.Tensor) -> None:
             with self._step("all_to_all", 1, "local all-to-all"):
                 self.local.all_to_all(output=output, input=input)
@@ -324,7 +339,12 @@ class HierarchicalTransport:
         def cross(*, output: torch.Tensor, input: torch.Tensor) -> None:
             with self._step("all_to_all", 2, "cross-host all-to-all"):
                 self.cross.all_to_all(output=output, input=input, agreed=True)
-        return local, cross, self.placement.ranks_on
+        return Levels(local, cross, self.placement.ranks_on, self.agree)
+
+    def all_to_all(self, *, output: torch.Tensor, input: torch.Tensor, key: CallKey | None = None) -> None:
+        """Refused: over two levels, a caller moves its chunks through levels()."""
+        raise ValueError(f"all_to_all: rank {self.rank}: the hierarchical transport has no flat all_to_all; move the "
+                         f"chunks through its levels() (as ringcomm.comm.quantized does)")
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
         """Across hosts among the root's local rank, then inside every host."""

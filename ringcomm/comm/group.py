@@ -74,7 +74,7 @@ class Group:
         # The transport's handle for lean calls (collectives.py), or None while
         # they must not run inline: the transport has none, work is queued on the
         # comm thread, or the group is closed.
-        self.lean_handle = getattr(transport, "handle", None)
+        self.lean_handle = transport.handle
         self._idle_handle = self.lean_handle
         self.recorder = recorder_mod.for_group(self.rank, self.world_size, global_ranks, transport.kind,
                                                self.timeout_s, self._idle_handle)

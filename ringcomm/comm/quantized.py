@@ -47,6 +47,7 @@ import torch
 from ..core.ops import ReduceOp, to_reduce_op
 from ..kernels import quant
 from ..transport.agreement import CallKey
+from ..transport.base import Levels, Transport
 from .group import Group, resolve_group
 from .work import Work
 
@@ -156,20 +157,20 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: obje
     def body() -> None:
         chunks = input.view(group.world_size, rows.numel)
         result = output.view(-1) if redop == ReduceOp.SUM else torch.empty(rows.numel, dtype=torch.float32)
-        levels = getattr(group.transport, "levels", None)
-        if levels is None:
+        if group.transport.levels is None:
             _one_level(group.transport, chunks, rows, result, key)
         else:
-            group.transport.agree(key)
+            levels = group.transport.levels()
+            levels.agree(key)
             if rows.numel:
-                _two_levels(*levels(), chunks, rows, result)
+                _two_levels(levels, chunks, rows, result)
         if redop == ReduceOp.AVG and rows.numel:
             output.view(-1).copy_(result.div_(group.world_size))
 
     return group.run("quantized_reduce_scatter", body, async_op, inputs=(input,), outputs=(output,), redop=redop)
 
 
-def _one_level(transport, chunks: torch.Tensor, rows: Rows, result: torch.Tensor, key: CallKey) -> None:
+def _one_level(transport: Transport, chunks: torch.Tensor, rows: Rows, result: torch.Tensor, key: CallKey) -> None:
     world_size = chunks.shape[0]
     send, recv = rows.empty(world_size), rows.empty(world_size)
     for rank in range(world_size if rows.numel else 0):
@@ -179,9 +180,9 @@ def _one_level(transport, chunks: torch.Tensor, rows: Rows, result: torch.Tensor
         rows.unpack_sum(recv, result)
 
 
-def _two_levels(local_all_to_all, cross_all_to_all, ranks_on: tuple[tuple[int, ...], ...], chunks: torch.Tensor,
-                rows: Rows, result: torch.Tensor) -> None:
-    """Steps 1-4 of [Note: quantized reduce-scatter]; ranks_on[h][l]: the rank of host h, local rank l."""
+def _two_levels(levels: Levels, chunks: torch.Tensor, rows: Rows, result: torch.Tensor) -> None:
+    """Steps 1-4 of [Note: quantized reduce-scatter]."""
+    local_all_to_all, cross_all_to_all, ranks_on = levels.local_all_to_all, levels.cross_all_to_all, levels.ranks_on
     num_hosts, local_size = len(ranks_on), len(ranks_on[0])
     send, recv = rows.empty(local_size, num_hosts), rows.empty(local_size, num_hosts)
     for local_rank in range(local_size):
