@@ -173,9 +173,11 @@ def _op_name_tables(path: Path) -> list[int]:
     def op(node: ast.AST | None) -> bool:
         return isinstance(node, ast.Constant) and isinstance(node.value, str) and \
             node.value.removeprefix("ringcomm:") in names
+    def alias(key: ast.AST | None, value: ast.AST) -> bool:
+        return op(key) and (op(value) and key.value != value.value
+                            or isinstance(value, ast.Tuple) and any(map(op, value.elts)))
     return [node.lineno for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Dict)
-            and any(op(key) and (op(value) or isinstance(value, ast.Tuple) and any(map(op, value.elts)))
-                    for key, value in zip(node.keys, node.values) if key is not None and op(key) and key.value != getattr(value, "value", None))]
+            and any(alias(key, value) for key, value in zip(node.keys, node.values))]
 
 
 def test_op_names_have_one_table() -> None:
