@@ -118,17 +118,14 @@ class HierarchicalTransport:
         return tensor.is_cpu
 
     @property
-    def broken(self) -> str:
-        """Why the transport refuses work after a failure ("" while it is usable)."""
+    def broken(self) -> str:  # why it refuses work after a failure ("" while usable)
         return self._broken
 
-    def peer_aborted(self) -> str:
-        """A local peer that aborted the group (the cross level cannot tell; see broken)."""
+    def peer_aborted(self) -> str:  # a local peer's abort (a cross-host peer's shows as closed connections)
         return self.local.peer_aborted()
 
     def mismatch_error(self, err: ValueError, op: str, key: CallKey | None = None) -> ValueError:
-        """`err` as it is: the agreement step raised it naming every rank's call."""
-        return err
+        return err  # the agreement step raised it, naming every rank's call
 
     def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return self.local.allocate(numel, dtype)  # the local steps read it in place
@@ -192,11 +189,6 @@ class HierarchicalTransport:
         by_rank = {rank: hosts[h][l].tolist() for h, ranks in enumerate(self.placement.ranks_on)
                    for l, rank in enumerate(ranks)}
         raise agreement.disagreement(op if key is None else key.op, [by_rank[r] for r in range(self.world_size)])
-
-    def agree(self, key: CallKey) -> None:
-        """Collective: the agreement step alone, for a caller that moves its data
-        through levels() (Levels.agree)."""
-        self._agree("all_to_all", None, 0, key=key)
 
     def all_reduce(self, *, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> None:
         input, output = input.view(-1), output.view(-1)
@@ -329,9 +321,8 @@ class HierarchicalTransport:
         self._pipe.run(Stages(op, cross_step, cross_what, before, across, after), len(bounds), bound_s)
 
     def levels(self) -> Levels:
-        """The two levels for collectives that reduce where the data lands
-        (ringcomm.comm.quantized); a failure of either is this group's, as in
-        every step here."""
+        """The two levels for collectives that reduce where the data lands (ringcomm.comm.quantized);
+        a failure of either is this group's, as in every step here."""
         def local(*, output: torch.Tensor, input: torch.Tensor) -> None:
             with self._step("all_to_all", 1, "local all-to-all"):
                 self.local.all_to_all(output=output, input=input)
@@ -339,12 +330,10 @@ class HierarchicalTransport:
         def cross(*, output: torch.Tensor, input: torch.Tensor) -> None:
             with self._step("all_to_all", 2, "cross-host all-to-all"):
                 self.cross.all_to_all(output=output, input=input, agreed=True)
-        return Levels(local, cross, self.placement.ranks_on, self.agree)
+        return Levels(local, cross, self.placement.ranks_on, lambda key: self._agree("all_to_all", None, 0, key=key))
 
     def all_to_all(self, *, output: torch.Tensor, input: torch.Tensor, key: CallKey | None = None) -> None:
-        """Refused: over two levels, a caller moves its chunks through levels()."""
-        raise ValueError(f"all_to_all: rank {self.rank}: the hierarchical transport has no flat all_to_all; move the "
-                         f"chunks through its levels() (as ringcomm.comm.quantized does)")
+        raise ValueError(f"all_to_all: rank {self.rank}: over two levels, use levels() (ringcomm.comm.quantized)")
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
         """Across hosts among the root's local rank, then inside every host."""
