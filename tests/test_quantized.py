@@ -46,7 +46,7 @@ def _everyone(tensor: torch.Tensor, world_size: int) -> list[torch.Tensor]:
 
 def _roundtrip(values: torch.Tensor, bits: int, block: int) -> torch.Tensor:
     data, scales = quant.quantize(values.contiguous(), bits=bits, block=block)
-    return quant.dequantize(data, scales, torch.empty(values.numel(), dtype=torch.float32), bits=bits, block=block)
+    return quant.dequantize(data, scales, out=torch.empty(values.numel(), dtype=torch.float32), bits=bits, block=block)
 
 
 def _expected_reduce_scatter(inputs: list[torch.Tensor], rank: int, chunk: int, bits: int, block: int,

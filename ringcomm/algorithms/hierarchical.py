@@ -195,16 +195,16 @@ class HierarchicalTransport:
         numel, local_size = input.numel(), self.placement.local_world_size
         self._agree("all_reduce", input, numel, redop=int(op))
         if numel * input.element_size() <= self.whole_max_nbytes:
-            self._all_reduce_whole(input, output, op)  # small: two steps beat three
+            self._all_reduce_whole(output=output, input=input, op=op)  # small: two steps beat three
             return
         shard_numel = numel // local_size
         body = shard_numel * local_size
         if body:
-            self._all_reduce_body(input[:body], output[:body], shard_numel, op)
+            self._all_reduce_body(output=output[:body], input=input[:body], shard_numel=shard_numel, op=op)
         if body < numel:
-            self._all_reduce_whole(input[body:], output[body:], op)
+            self._all_reduce_whole(output=output[body:], input=input[body:], op=op)
 
-    def _all_reduce_body(self, input: torch.Tensor, output: torch.Tensor, shard_numel: int, op: ReduceOp) -> None:
+    def _all_reduce_body(self, *, output: torch.Tensor, input: torch.Tensor, shard_numel: int, op: ReduceOp) -> None:
         """Local reduce-scatter, cross-host all-reduce of the shard, local
         all-gather: piece by piece, pipelined ([Note: hierarchical pipeline])."""
         local_size, wide, sum_op = self.placement.local_world_size, input.dtype in LOW_PRECISION, partial_op(op)
@@ -227,7 +227,7 @@ class HierarchicalTransport:
         def after(k: int) -> None:
             _, piece_output, shard = piece(k)
             own = piece_output[self.local_rank * shard.numel():][:shard.numel()]
-            self._finish_reduction(shard, own, op)
+            self._finish_reduction(output=own, reduced=shard, op=op)
             with self._step("all_reduce", 3, "local all-gather"):
                 self.local.all_gather(output=piece_output, input=own)
 
@@ -236,7 +236,7 @@ class HierarchicalTransport:
                                                        agreed=True),
                        after)
 
-    def _all_reduce_whole(self, input: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> None:
+    def _all_reduce_whole(self, *, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> None:
         """Local all-reduce, then a cross-host all-reduce of all of it (every ring
         alike): for small tensors, and for the last numel % L elements."""
         wide = input.dtype in LOW_PRECISION
@@ -245,7 +245,7 @@ class HierarchicalTransport:
             self.local.all_reduce(output=work, input=input if not wide else work, op=partial_op(op))
         with self._step("all_reduce", 5, "cross-host all-reduce"):
             self.cross.all_reduce(output=work, input=work, op=partial_op(op), agreed=True)
-        self._finish_reduction(work, output, op)
+        self._finish_reduction(output=output, reduced=work, op=op)
 
     def reduce_scatter(self, *, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> None:
         """Per piece of the chunks: each host's chunks reduce-scattered locally
@@ -275,7 +275,7 @@ class HierarchicalTransport:
 
         def after(k: int) -> None:
             lo, hi = bounds[k]
-            self._finish_reduction(result[lo:hi], output[lo:hi], op)
+            self._finish_reduction(output=output[lo:hi], reduced=result[lo:hi], op=op)
 
         self._pipeline("reduce_scatter", 2, "cross-host reduce-scatter", bounds, 4 * num_hosts, before, across,
                        after)
@@ -388,7 +388,7 @@ class HierarchicalTransport:
             block[local_rank].copy_(input[rank * numel + lo:rank * numel + hi])
         return block.view(-1)
 
-    def _finish_reduction(self, reduced: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> None:
+    def _finish_reduction(self, *, output: torch.Tensor, reduced: torch.Tensor, op: ReduceOp) -> None:
         """AVG's one division by the world size, then the one rounding to 16 bits."""
         if op == ReduceOp.AVG:
             reduce_into(reduced, [reduced], ReduceOp.AVG, self.world_size)
