@@ -33,8 +33,8 @@ STORE_PREFIX = "ringcomm-backend/"
 #   takes the lean path: straight to the transport, with no Group.run, when the
 #   group takes lean calls (nothing queued; one thread at a time). allreduce and
 #   the pairs take ringcomm.comm.collectives' own lean path ([Note: lean path]),
-#   broadcast takes() and _run_lean (Group.run_lean: run's bookkeeping, inline). Their Works
-#   are FinishedWorks ([Note: finished works] in backend/work.py); any other
+#   broadcast takes() and _run_lean (Group.run_lean: run's bookkeeping, inline).
+#   Their Works are FinishedWorks ([Note: finished works] in backend/work.py); any other
 #   call goes the general path, which checks it.
 # Forwarded collectives (gather, scatter, reduce, all_to_all, allgather_coalesced,
 # and accelerated ones whose tensors ringcomm does not take) -> an internal gloo

@@ -16,8 +16,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..algorithms.choice import open_transport
 from ..algorithms.flat_ring import TorchDistOptions
-from ..algorithms.choice import TRANSPORTS, open_transport, resolve_transport  # noqa: F401  (for callers)
 from ..core import arguments, compat
 from ..core.ops import ReduceOp
 from ..observe import profiling, recorder as recorder_mod
