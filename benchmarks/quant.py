@@ -70,13 +70,13 @@ def cases(x: torch.Tensor, bits: int, block: int) -> dict:
     data, scales = quant.quantize(x, bits=bits, block=block)
     out = torch.empty_like(x)
     rows = {k: (data.expand(k, -1).contiguous(), scales.expand(k, -1).contiguous()) for k in (2, 4)}
-    ops = {"quantize": (lambda: quant.quantize_into(x, data, scales, bits=bits, block=block),
+    ops = {"quantize": (lambda: quant.quantize_into(x, out=quant.Quantized(data, scales), bits=bits, block=block),
                         lambda: ref.quantize(x, bits=bits, block=block)),
-           "dequantize": (lambda: quant.dequantize(data, scales, out, bits=bits, block=block),
+           "dequantize": (lambda: quant.dequantize(data, scales, out=out, bits=bits, block=block),
                           lambda: ref.dequantize(data, scales, n, dtype, bits=bits, block=block))}
     for k, (d, s) in rows.items():
         ops[f"dequantize_sum k={k}"] = (
-            lambda d=d, s=s: quant.dequantize_sum(d, s, out, bits=bits, block=block),
+            lambda d=d, s=s: quant.dequantize_sum(d, s, out=out, bits=bits, block=block),
             lambda d=d, s=s: ref.dequantize_sum(d, s, n, dtype, bits=bits, block=block))
     return ops
 

@@ -53,7 +53,7 @@ def check_quantization(gen: torch.Generator) -> None:
             data, scales = quant.quantize(x, bits=bits, block=block)
             ref_data, ref_scales = ref.quantize(x, bits=bits, block=block)
             assert torch.equal(data, ref_data) and torch.equal(scales, ref_scales), f"quantize {dtype} {bits=}"
-            out = quant.dequantize(data, scales, torch.empty(5001, dtype=dtype), bits=bits, block=block)
+            out = quant.dequantize(data, scales, out=torch.empty(5001, dtype=dtype), bits=bits, block=block)
             expected = ref.dequantize(ref_data, ref_scales, 5001, dtype, bits=bits, block=block)
             assert torch.equal(out.float(), expected.float()), f"dequantize {dtype} {bits=}"
 

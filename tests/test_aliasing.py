@@ -95,7 +95,7 @@ def test_overlap_rules():
     assert aliasing.overlaps(buffer[0:10], buffer[9:20]) and not aliasing.overlaps(buffer[0:10], buffer[10:20])
     assert not aliasing.overlaps(buffer[0:0], buffer[0:10])  # empty tensors overlap nothing
     assert aliasing.all_reduce_input(buffer[0:10], buffer[0:10]).data_ptr() == buffer.data_ptr()  # in place
-    assert aliasing.all_reduce_input(buffer[0:10], buffer[5:15]).data_ptr() != buffer.data_ptr()  # copied
+    assert aliasing.all_reduce_input(buffer[5:15], buffer[0:10]).data_ptr() != buffer.data_ptr()  # copied
     own = buffer[20:30]
     assert aliasing.reduce_scatter_input(own, buffer[0:40], rank=2).data_ptr() == buffer.data_ptr()
     assert aliasing.reduce_scatter_input(own, buffer[0:40], rank=1).data_ptr() != buffer.data_ptr()

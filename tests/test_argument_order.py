@@ -1,8 +1,13 @@
 """One argument order, torch's (output, input), in every layer: the public API,
 the transports (keyword-only), the ring executor (keyword-only), ShmComm and
-the C++ lean calls. Each layer gets distinct output and input tensors; a layer
+the C++ lean calls; the helpers below the collectives take the output first or
+keyword-only (out=, output=). Each layer gets distinct output and input tensors; a layer
 that swapped them would overwrite the input or leave the output untouched."""
 from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +20,7 @@ from ringcomm.core.ops import DTYPE_CODES, ReduceOp
 from harness import run_ranks
 
 CHUNK = 5
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def fresh(rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -87,3 +93,80 @@ def every_layer(rank, world_size, transport):
 @pytest.mark.parametrize("transport", ["shm", "torch_dist"])
 def test_every_layer_takes_output_then_input(transport):
     run_ranks(every_layer, 2, transport)
+
+
+# ---- Below the collectives: the output first, or keyword-only (out=, output=) ----
+# Each helper's outputs and inputs, by parameter name. With the output after an
+# input, a call that reads naturally as torch's (output, input) would write the input.
+def _roles() -> dict:
+    from ringcomm.algorithms.hierarchical import HierarchicalTransport
+    from ringcomm.comm import aliasing, quantized
+    from ringcomm.kernels import cpu, cuda_quant, quant
+    return {
+        aliasing.all_reduce_input: (("output",), ("input",)),
+        aliasing.reduce_scatter_input: (("output",), ("input",)),
+        aliasing.all_gather_input: (("output",), ("input",)),
+        quant.quantize_into: (("out",), ("x",)),
+        quant.dequantize: (("out",), ("data", "scales")),
+        quant.dequantize_sum: (("out",), ("data", "scales")),
+        cuda_quant.quantize_into: (("out",), ("x",)),
+        cuda_quant.dequantize_sum: (("out",), ("data", "scales")),
+        quantized.Rows.pack: (("out",), ("values",)),
+        quantized.Rows.unpack: (("out",), ("row",)),
+        quantized.Rows.unpack_sum: (("out",), ("rows",)),
+        HierarchicalTransport._all_reduce_body: (("output",), ("input",)),
+        HierarchicalTransport._all_reduce_whole: (("output",), ("input",)),
+        HierarchicalTransport._finish_reduction: (("output",), ("reduced",)),
+        cpu.reduce_into: (("dst",), ("srcs",)),
+    }
+
+
+def output_first(names: list[str], keyword_only: list[str], outputs: tuple[str, ...], inputs: tuple[str, ...]) -> bool:
+    """Every output is keyword-only or comes, positionally, before every input."""
+    return all(out in keyword_only or all(i in keyword_only or names.index(out) < names.index(i) for i in inputs)
+               for out in outputs)
+
+
+def _parameters(fn) -> tuple[list[str], list[str]]:
+    params = inspect.signature(fn).parameters.values()
+    return ([p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)],
+            [p.name for p in params if p.kind is p.KEYWORD_ONLY])
+
+
+def test_helpers_take_the_output_first() -> None:
+    for fn, (outputs, inputs) in _roles().items():
+        names, keyword_only = _parameters(fn)
+        assert set(outputs + inputs) <= set(names + keyword_only), f"{fn.__qualname__}: roles name no parameter"
+        assert output_first(names, keyword_only, outputs, inputs), \
+            f"{fn.__qualname__}{inspect.signature(fn)}: an output after an input"
+
+
+# Tensors a function writes and reads (not `inputs`/`outputs`: describing a call, the recorder names both).
+OUTPUT_NAMES, INPUT_NAMES = {"output", "out", "dst"}, {"input", "x", "src", "srcs"}
+
+
+def test_no_function_of_ringcomm_takes_an_input_before_its_output() -> None:
+    """Every function in ringcomm/ (of any name) with a parameter called like an
+    output and one called like an input takes the output first or keyword-only."""
+    wrong = []
+    for path in sorted((ROOT / "ringcomm").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            names = [a.arg for a in node.args.posonlyargs + node.args.args]
+            keyword_only = [a.arg for a in node.args.kwonlyargs]
+            outputs = tuple(n for n in names + keyword_only if n in OUTPUT_NAMES)
+            inputs = tuple(n for n in names + keyword_only if n in INPUT_NAMES)
+            if outputs and inputs and not output_first(names, keyword_only, outputs, inputs):
+                wrong.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}({', '.join(names)})")
+    assert not wrong, "input before output:\n" + "\n".join(wrong)
+
+
+def test_the_order_check_catches_a_swapped_helper() -> None:
+    def swapped(input, output, rank):
+        ...
+
+    def keyword(input, *, out):
+        ...
+    assert not output_first(*_parameters(swapped), ("output",), ("input",))
+    assert output_first(*_parameters(keyword), ("out",), ("input",))

@@ -6,6 +6,7 @@ thread, and the calls it refuses still take the general path. Results against
 gloo on many ranks: test_backend.py and test_aliasing.py, which run through it."""
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
@@ -71,6 +72,31 @@ def test_lean_works_keep_torch_contract(group) -> None:
             assert work.result()[0] is output, where
             moved = op in ("all_gather_single", "reduce_scatter_single")  # one rank: output = input
             assert torch.equal(output, torch.arange(5.0) + (10 if moved else 0)), f"{where}: {output}"
+
+
+@pytest.mark.timeout(60)
+def test_lean_calls_are_in_flight_on_the_group(group, monkeypatch) -> None:
+    """A call of the backend's own lean path (broadcast) is in flight on the
+    Group as a checked call is: counted, and a call from a second thread while
+    it runs is refused ([Note: one caller thread])."""
+    seen = {}
+
+    def broadcast(tensor: torch.Tensor, root: int) -> None:
+        seen["in_flight"] = group._group._in_flight
+        with ThreadPoolExecutor(1, thread_name_prefix="second") as pool:
+            other = pool.submit(group.allreduce_coalesced, [torch.ones(2)], dist.AllreduceCoalescedOptions())
+            try:
+                other.result(timeout=30)
+                seen["second"] = "ran"
+            except RuntimeError as err:
+                seen["second"] = str(err)
+
+    assert group._group.lean_handle is not None, "a one-rank shm group takes lean calls"
+    monkeypatch.setattr(group._group.transport, "broadcast", broadcast)
+    group.broadcast([torch.ones(3)], options(dist.BroadcastOptions, False)).wait()
+    assert seen["in_flight"] == 1, f"the lean broadcast is not counted in flight: {seen}"
+    assert "collective(s) in flight" in seen["second"] and "'second" in seen["second"], seen["second"]
+    assert group._group._in_flight == 0, "the lean call left the group with a call in flight"
 
 
 def fail(*args, **kwargs) -> None:

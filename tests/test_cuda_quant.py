@@ -67,7 +67,7 @@ def test_gpu_matches_cpu_kernels(dtype, bits, block):
         assert torch.equal(gscales.cpu().nan_to_num(7.0), scales.nan_to_num(7.0)), f"{numel=}: scales"
         rows, grows = torch.stack([data, data.flip(0)]), torch.stack([gdata, gdata.flip(0)])
         srows = torch.stack([scales, scales])
-        out = quant.dequantize_sum(rows, srows, torch.empty(numel, dtype=dtype), bits=bits, block=block)
-        gout = quant.dequantize_sum(grows, srows.cuda(), torch.empty(numel, dtype=dtype, device="cuda"), bits=bits,
+        out = quant.dequantize_sum(rows, srows, out=torch.empty(numel, dtype=dtype), bits=bits, block=block)
+        gout = quant.dequantize_sum(grows, srows.cuda(), out=torch.empty(numel, dtype=dtype, device="cuda"), bits=bits,
                                     block=block)
         assert torch.equal(as_bits(gout.cpu()), as_bits(out)), f"{dtype} {bits=} {block=} {numel=}: sum"

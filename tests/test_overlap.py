@@ -137,7 +137,8 @@ def _overlap_off_and_misuse(rank: int, group: ringcomm.Group) -> None:
     scheduler.finish()
     scheduler.remove_hooks()
     model = _build("mlp", torch.float32)
-    scheduler = _scheduler(model, group, 256, overlap=False)
+    scheduler = _scheduler(model, group, 256, overlap=False, timeout_s=60.0)
+    assert scheduler.timeout_s == 60.0, f"rank {rank}: {scheduler.timeout_s}"
     assert ringcomm.transport_allocator(group) is not None or group.transport.kind != "shm", f"rank {rank}"
     _backward(model, "mlp", rank, 0, torch.float32)
     assert not scheduler._launches, f"rank {rank}: overlap=False launched during backward"

@@ -118,3 +118,14 @@ def test_failed_step_leaves_scheduler_ready(mode: str) -> None:
             assert torch.equal(got, want), f"{mode}, {case}: bucket {k} is not the next step's gradient alone"
         scheduler.zero_grad()
     assert scheduler.transient_nbytes == 0, f"{mode}: {scheduler.transient_nbytes} bytes of transient buckets held"
+
+
+def test_errors_name_the_scheduler_in_use() -> None:
+    """ZeRO's scheduler is OwnedBucketScheduler: its errors say so, not BucketScheduler."""
+    _, scheduler, comm = setup("all_reduce")
+    with pytest.raises(ValueError, match=r"^OwnedBucketScheduler: mode='bogus'"):
+        OwnedBucketScheduler(scheduler.buckets, comm, mode="bogus", scale=1.0, timeout_s=1.0)
+    with pytest.raises(ValueError, match=r"^OwnedBucketScheduler\.mark_ready: parameter \(2,\)"):
+        scheduler.mark_ready(nn.Parameter(torch.zeros(2)))
+    with pytest.raises(ValueError, match=r"^OwnedBucketScheduler\.register_hooks: "):
+        scheduler.register_hooks([nn.Parameter(torch.zeros(3))])

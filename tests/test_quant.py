@@ -40,7 +40,7 @@ def check_against_reference(x: torch.Tensor, bits: int, block: int, what: str) -
     ref_data, ref_scales = ref.quantize(x, bits=bits, block=block)
     assert_same_bits(data, ref_data, f"{what}: data")
     assert_same_bits(scales, ref_scales, f"{what}: scales")
-    out = quant.dequantize(data, scales, torch.empty_like(x), bits=bits, block=block)
+    out = quant.dequantize(data, scales, out=torch.empty_like(x), bits=bits, block=block)
     assert_same_bits(out, ref.dequantize(data, scales, x.numel(), x.dtype, bits=bits, block=block).view_as(x),
                      f"{what}: dequantized")
 
@@ -74,7 +74,7 @@ def test_round_trip_error_bound(dtype, bits, block):
     x = torch.cat([*adversarial_blocks(block, dtype), random_input(50 * block + 1, dtype, block, gen)])
     check_against_reference(x, bits, block, f"{dtype} {bits=} {block=} adversarial")
     data, scales = quant.quantize(x, bits=bits, block=block)
-    out = quant.dequantize(data, scales, torch.empty_like(x), bits=bits, block=block).float()
+    out = quant.dequantize(data, scales, out=torch.empty_like(x), bits=bits, block=block).float()
     wide = x.float()
     scale = scales.repeat_interleave(block)[: x.numel()]
     absmax = wide.abs().view(-1)[: x.numel() // block * block].view(-1, block).amax(1).repeat_interleave(block)
@@ -95,7 +95,7 @@ def test_nan_and_inf_poison_only_their_block(dtype, bits, block):
     x = torch.randn(6 * block + 3).to(dtype)
     x[block + 3], x[3 * block], x[4 * block + 1], x[6 * block + 2] = float("nan"), float("inf"), -float("inf"), float("nan")
     data, scales = quant.quantize(x, bits=bits, block=block)
-    out = quant.dequantize(data, scales, torch.empty_like(x), bits=bits, block=block)
+    out = quant.dequantize(data, scales, out=torch.empty_like(x), bits=bits, block=block)
     bad = {1, 3, 4, 6}
     for b in range(7):
         piece = out[b * block:(b + 1) * block]
@@ -117,10 +117,10 @@ def test_dequantize_sum(dtype, bits, block):
         for k in (1, 2, 3, 4):
             rows = [quant.quantize(random_input(numel, dtype, block, gen), bits=bits, block=block) for _ in range(k)]
             data, scales = torch.stack([r.data for r in rows]), torch.stack([r.scales for r in rows])
-            out = quant.dequantize_sum(data, scales, torch.empty(numel, dtype=dtype), bits=bits, block=block)
+            out = quant.dequantize_sum(data, scales, out=torch.empty(numel, dtype=dtype), bits=bits, block=block)
             what = f"{dtype} {bits=} {block=} {numel=} {k=}"
             assert_same_bits(out, ref.dequantize_sum(data, scales, numel, dtype, bits=bits, block=block), what)
-            wide = [quant.dequantize(d, s, torch.empty(numel), bits=bits, block=block) for d, s in rows]
+            wide = [quant.dequantize(d, s, out=torch.empty(numel), bits=bits, block=block) for d, s in rows]
             total = wide[0]
             for w in wide[1:]:
                 total = total + w
@@ -133,12 +133,12 @@ def test_views_into_a_byte_buffer_and_shapes():
     nbytes, nscales = quant.packed_nbytes(x.numel(), bits), quant.num_blocks(x.numel(), block)
     buf = torch.zeros(7 + nbytes + 1 + 4 * nscales, dtype=torch.uint8)
     data, scales = buf[7:7 + nbytes], buf[8 + nbytes:8 + nbytes + 4 * nscales].view(torch.float32)
-    quant.quantize_into(x, data, scales, bits=bits, block=block)
+    quant.quantize_into(x, out=quant.Quantized(data, scales), bits=bits, block=block)
     ref_data, ref_scales = ref.quantize(x, bits=bits, block=block)
     assert_same_bits(data, ref_data, "data in a buffer")
     assert_same_bits(scales, ref_scales, "scales in a buffer")
     assert buf[:7].eq(0).all() and buf[7 + nbytes] == 0, "nothing written outside the views"
-    out = quant.dequantize(data, scales, torch.empty_like(x), bits=bits, block=block)
+    out = quant.dequantize(data, scales, out=torch.empty_like(x), bits=bits, block=block)
     assert out.shape == x.shape
 
 
@@ -149,8 +149,8 @@ def test_sizes_and_empty():
     assert (quant.WEIGHT_BITS, quant.WEIGHT_BLOCK, quant.GRAD_BITS, quant.GRAD_BLOCK) == (8, 4096, 4, 1024)
     data, scales = quant.quantize(torch.empty(0), bits=4, block=2)
     assert data.numel() == 0 and scales.numel() == 0
-    quant.dequantize(data, scales, torch.empty(0), bits=4, block=2)
-    quant.dequantize_sum(data.view(1, 0), scales.view(1, 0), torch.empty(0), bits=4, block=2)
+    quant.dequantize(data, scales, out=torch.empty(0), bits=4, block=2)
+    quant.dequantize_sum(data.view(1, 0), scales.view(1, 0), out=torch.empty(0), bits=4, block=2)
 
 
 def test_errors():
@@ -159,32 +159,32 @@ def test_errors():
     with pytest.raises(TypeError, match="float64.*expected"):
         quant.quantize(x.double(), bits=8, block=4)
     with pytest.raises(TypeError, match="int32"):
-        quant.dequantize(data, scales, out.int(), bits=8, block=4)
+        quant.dequantize(data, scales, out=out.int(), bits=8, block=4)
     with pytest.raises(ValueError, match="contiguous"):
         quant.quantize(torch.randn(20)[::2], bits=8, block=4)
     with pytest.raises(ValueError, match="contiguous"):
-        quant.dequantize(data, scales, torch.empty(20)[::2], bits=8, block=4)
+        quant.dequantize(data, scales, out=torch.empty(20)[::2], bits=8, block=4)
     with pytest.raises(ValueError, match="bits=2"):
         quant.quantize(x, bits=2, block=4)
     for bits, block in ((8, 0), (4, 3), (4, -2)):
         with pytest.raises(ValueError, match=f"block={block}"):
             quant.quantize(x, bits=bits, block=block)
     with pytest.raises(ValueError, match=r"data has numel \(9,\); expected \(10,\)"):
-        quant.quantize_into(x, data[:9], scales, bits=8, block=4)
+        quant.quantize_into(x, out=quant.Quantized(data[:9], scales), bits=8, block=4)
     with pytest.raises(ValueError, match=r"scales has numel \(3,\); expected \(2,\)"):
-        quant.quantize_into(x, data, scales, bits=8, block=5)
+        quant.quantize_into(x, out=quant.Quantized(data, scales), bits=8, block=5)
     with pytest.raises(TypeError, match="scales has dtype torch.float16; expected torch.float32"):
-        quant.dequantize(data, scales.half(), out, bits=8, block=4)
+        quant.dequantize(data, scales.half(), out=out, bits=8, block=4)
     with pytest.raises(TypeError, match="data has dtype torch.int8; expected torch.uint8"):
-        quant.quantize_into(x, data.view(torch.int8), scales, bits=8, block=4)
+        quant.quantize_into(x, out=quant.Quantized(data.view(torch.int8), scales), bits=8, block=4)
     with pytest.raises(ValueError, match="contiguous"):
-        quant.quantize_into(x, torch.empty(20, dtype=torch.uint8)[::2], scales, bits=8, block=4)
+        quant.quantize_into(x, out=quant.Quantized(torch.empty(20, dtype=torch.uint8)[::2], scales), bits=8, block=4)
     with pytest.raises(ValueError, match="2-D"):
-        quant.dequantize_sum(data, scales, out, bits=8, block=4)
+        quant.dequantize_sum(data, scales, out=out, bits=8, block=4)
     with pytest.raises(ValueError, match=r"scales has shape \(1, 2\); expected \(1, 3\)"):
-        quant.dequantize_sum(data.view(1, -1), torch.zeros(1, 2), out, bits=8, block=4)
+        quant.dequantize_sum(data.view(1, -1), torch.zeros(1, 2), out=out, bits=8, block=4)
     with pytest.raises(ValueError, match=r"data has shape \(2, 5\); expected \(2, 10\)"):
-        quant.dequantize_sum(data.view(2, 5), scales.view(1, 3), out, bits=8, block=4)
+        quant.dequantize_sum(data.view(2, 5), scales.view(1, 3), out=out, bits=8, block=4)
 
 
 @pytest.mark.parametrize("bits,block,error,text", [
@@ -199,9 +199,9 @@ def test_bits_and_block_are_checked_before_cpp(bits, block, error, text):
     x, out = torch.randn(10), torch.empty(10)
     data, scales = quant.quantize(x, bits=8, block=4)
     calls = {"quantize": lambda: quant.quantize(x, bits=bits, block=block),
-             "quantize_into": lambda: quant.quantize_into(x, data, scales, bits=bits, block=block),
-             "dequantize": lambda: quant.dequantize(data, scales, out, bits=bits, block=block),
-             "dequantize_sum": lambda: quant.dequantize_sum(data.view(1, -1), scales.view(1, -1), out, bits=bits,
+             "quantize_into": lambda: quant.quantize_into(x, out=quant.Quantized(data, scales), bits=bits, block=block),
+             "dequantize": lambda: quant.dequantize(data, scales, out=out, bits=bits, block=block),
+             "dequantize_sum": lambda: quant.dequantize_sum(data.view(1, -1), scales.view(1, -1), out=out, bits=bits,
                                                             block=block)}
     for name, call in calls.items():
         with pytest.raises(error, match=rf"^{name} \(.*\): {text}"):
@@ -229,7 +229,7 @@ def test_cpp_checks_its_arguments():
 def _quantize_round_trip(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """data, scales and dequantized values of x (int4, blocks of 1024)."""
     data, scales = quant.quantize(x, bits=4, block=1024)
-    return data, scales, quant.dequantize(data, scales, torch.empty_like(x), bits=4, block=1024)
+    return data, scales, quant.dequantize(data, scales, out=torch.empty_like(x), bits=4, block=1024)
 
 
 def _child_quantize(x, queue) -> None:

@@ -46,7 +46,7 @@ def _everyone(tensor: torch.Tensor, world_size: int) -> list[torch.Tensor]:
 
 def _roundtrip(values: torch.Tensor, bits: int, block: int) -> torch.Tensor:
     data, scales = quant.quantize(values.contiguous(), bits=bits, block=block)
-    return quant.dequantize(data, scales, torch.empty(values.numel(), dtype=torch.float32), bits=bits, block=block)
+    return quant.dequantize(data, scales, out=torch.empty(values.numel(), dtype=torch.float32), bits=bits, block=block)
 
 
 def _expected_reduce_scatter(inputs: list[torch.Tensor], rank: int, chunk: int, bits: int, block: int,
@@ -69,8 +69,7 @@ def _expected_reduce_scatter(inputs: list[torch.Tensor], rank: int, chunk: int, 
 
 def _sweep(rank: int, world_size: int, kind: str) -> int:
     group, checked, case = _group(kind, rank), 0, 0
-    levels = getattr(group.transport, "levels", None)
-    ranks_on = levels()[2] if levels is not None else None
+    ranks_on = group.transport.levels().ranks_on if group.transport.levels is not None else None
     for dtype in DTYPES:
         for bits, block in BITS_BLOCKS:
             for chunk in CHUNKS:
@@ -176,7 +175,7 @@ def _check_still_works(group: ringcomm.Group, rank: int, world_size: int, what: 
     torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"all_gather after {what}")
     got = _call(group, rank, world_size, op="reduce_scatter", numel=300, bits=4, block=32, dtype=torch.float32,
                 redop=ReduceOp.SUM)
-    ranks_on = group.transport.levels()[2] if group.transport.kind == "hierarchical" else None
+    ranks_on = group.transport.levels().ranks_on if group.transport.levels is not None else None
     want = _expected_reduce_scatter([torch.full((world_size * 300,), r + 1.0) for r in range(world_size)], rank, 300,
                                     4, 32, ranks_on)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=f"reduce_scatter after {what}")

@@ -167,11 +167,50 @@ def test_pure_modules_load_only_the_stdlib(module: str) -> None:
 
 
 def test_one_home_each() -> None:
-    """The core count, the /proc reading of a process's state and the enum codes are written once."""
+    """The core count, the /proc reading of a process's state, the enum codes
+    and the op of a partial reduction are written once."""
     sources = [p for d in ("ringcomm", "zero", "csrc") for p in (ROOT / d).rglob("*")
                if p.suffix in (".py", ".cpp", ".h", ".cu")]
     homes = {"sched_getaffinity": {"ringcomm/core/host.py"}, '"/proc/" + std::to_string(pid)': {"csrc/cpu/process.cpp"},
-             "torch.bfloat16: 2": {"ringcomm/core/ops.py"}, '"all_gather": 3': {"ringcomm/core/ops.py"}}
+             "torch.bfloat16: 2": {"ringcomm/core/ops.py"}, '"all_gather": 3': {"ringcomm/core/ops.py"},
+             "ReduceOp.SUM if op == ReduceOp.AVG": {"ringcomm/core/ops.py"}}
     for needle, expected in homes.items():
         found = {str(p.relative_to(ROOT)) for p in sources if needle in p.read_text()}
         assert found == expected, f"{needle!r} is written in {sorted(found)}"
+
+
+def _op_name_tables(path: Path) -> list[int]:
+    """Lines of dict literals in `path` that map an op's name to another op name
+    (with or without the "ringcomm:" prefix): alias tables of op names."""
+    names = {name for alias, pair in schedule.OP_NAMES.items() for name in (alias, *pair)} | {"broadcast", "barrier"}
+    def op(node: ast.AST | None) -> bool:
+        return isinstance(node, ast.Constant) and isinstance(node.value, str) and \
+            node.value.removeprefix("ringcomm:") in names
+    def alias(key: ast.AST | None, value: ast.AST) -> bool:
+        return op(key) and (op(value) and key.value != value.value
+                            or isinstance(value, ast.Tuple) and any(map(op, value.elts)))
+    return [node.lineno for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Dict)
+            and any(alias(key, value) for key, value in zip(node.keys, node.values))]
+
+
+def test_op_names_have_one_table() -> None:
+    """The names one collective goes by (backend call, torch's event, ring op) are
+    one table, ringcomm.plan.schedule.OP_NAMES ([Note: op names])."""
+    found = {str(p.relative_to(ROOT)): lines for d in ("ringcomm", "zero") for p in (ROOT / d).rglob("*.py")
+             if (lines := _op_name_tables(p))}
+    assert list(found) == ["ringcomm/plan/schedule.py"], f"op-name tables at {found}"
+
+
+def test_op_names_are_read_by_every_consumer(monkeypatch) -> None:
+    """The profiler's event names, the trace analyzer's grouping and the comms
+    logger's bus bandwidth follow an entry added to OP_NAMES."""
+    from ringcomm.observe import profiling, trace
+    from zero.monitor import comms
+
+    monkeypatch.setitem(schedule.OP_NAMES, "fused_sum", ("fused_all_reduce", "all_reduce"))
+    assert profiling.event_name("fused_sum") == "ringcomm:fused_all_reduce"
+    entry = {"profiling_name": "ringcomm:fused_sum", "input_sizes": [[4]], "output_sizes": [[4]],
+             "input_dtypes": ["Float"]}
+    assert trace._call(entry).op == "ringcomm:all_reduce"
+    algbw, busbw = comms.bandwidths("fused_sum", 1 << 20, 1.0, 4)
+    assert busbw == pytest.approx(algbw * schedule.bus_factor("all_reduce", 4))

@@ -112,7 +112,7 @@ def test_wheel_installs_and_runs_outside_the_checkout(installed_wheel, tmp_path)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     where = run([python, "-c", "import torch, ringcomm, zero; from ringcomm import cuda_kernels, cuda_quant, quant; "
                  "x = torch.linspace(-1, 1, 100); q = quant.quantize(x, bits=8, block=32); "
-                 "y = quant.dequantize(*q, torch.empty(100), bits=8, block=32); "
+                 "y = quant.dequantize(*q, out=torch.empty(100), bits=8, block=32); "
                  "assert (y - x).abs().max() <= 1 / 254 + 1e-7, (y - x).abs().max(); "
                  "print(ringcomm.__file__, zero.__file__, cuda_kernels.SOURCE, cuda_quant.SOURCE, "
                  "cuda_kernels.SOURCE.is_file() and cuda_quant.SOURCE.is_file())"],

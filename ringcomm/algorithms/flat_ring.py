@@ -41,6 +41,8 @@ class TorchDistOptions:
 class TorchDistTransport:
     kind = "torch_dist"
     p2p = None  # point-to-point: the backend forwards it to its process group (process_group.py)
+    handle = None  # no lean calls
+    levels = None  # one level
 
     def __init__(self, pg: dist.ProcessGroup, timeout_s: float, options: TorchDistOptions,
                  store: dist.Store | None = None) -> None:
@@ -61,6 +63,14 @@ class TorchDistTransport:
     def broken(self) -> str:
         """Why the transport refuses work after a failure ("" while it is usable)."""
         return self._link.broken
+
+    def peer_aborted(self) -> str:
+        """"": a peer's abort shows as its closed connections, which the ring's failure names."""
+        return ""
+
+    def mismatch_error(self, err: ValueError, op: str, key: CallKey | None = None) -> ValueError:
+        """`err` as it is: the agreement step raised it naming every rank's call."""
+        return err
 
     def learn_peers(self) -> None:
         """Collective, once every rank has made its transport: learns the ring

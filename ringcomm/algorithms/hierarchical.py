@@ -9,10 +9,11 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from ..core.ops import LOW_PRECISION, ReduceOp
+from ..core.ops import LOW_PRECISION, ReduceOp, partial_op
 from ..kernels.cpu import reduce_into
 from ..transport import agreement
 from ..transport.agreement import CallKey
+from ..transport.base import Levels
 from ..transport.link import Diagnosis
 from ..transport.placement import Placement, consecutive, shm_options_for_machine
 from ..transport.shm import ShmOptions, ShmTransport
@@ -58,6 +59,7 @@ class HierarchicalTransport:
 
     kind = "hierarchical"
     p2p = None  # point-to-point: the backend forwards it to its process group (process_group.py)
+    handle = None  # no lean calls
 
     def __init__(self, rank: int, placement: Placement, local: ShmTransport, cross: TorchDistTransport,
                  cross_pg: dist.ProcessGroup, *, whole_max_nbytes: int, board: Diagnosis | None = None) -> None:
@@ -113,6 +115,16 @@ class HierarchicalTransport:
 
     def supports(self, tensor: torch.Tensor) -> bool:
         return tensor.is_cpu
+
+    @property
+    def broken(self) -> str:  # why it refuses work after a failure ("" while usable)
+        return self._broken
+
+    def peer_aborted(self) -> str:  # a local peer's abort (a cross-host peer's shows as closed connections)
+        return self.local.peer_aborted()
+
+    def mismatch_error(self, err: ValueError, op: str, key: CallKey | None = None) -> ValueError:
+        return err  # the agreement step raised it, naming every rank's call
 
     def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return self.local.allocate(numel, dtype)  # the local steps read it in place
@@ -177,29 +189,24 @@ class HierarchicalTransport:
                    for l, rank in enumerate(ranks)}
         raise agreement.disagreement(op if key is None else key.op, [by_rank[r] for r in range(self.world_size)])
 
-    def agree(self, key: CallKey) -> None:
-        """Collective: the agreement step alone, for a caller that moves its data
-        through levels()."""
-        self._agree("all_to_all", None, 0, key=key)
-
     def all_reduce(self, *, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> None:
         input, output = input.view(-1), output.view(-1)
         numel, local_size = input.numel(), self.placement.local_world_size
         self._agree("all_reduce", input, numel, redop=int(op))
         if numel * input.element_size() <= self.whole_max_nbytes:
-            self._all_reduce_whole(input, output, op)  # small: two steps beat three
+            self._all_reduce_whole(output=output, input=input, op=op)  # small: two steps beat three
             return
         shard_numel = numel // local_size
         body = shard_numel * local_size
         if body:
-            self._all_reduce_body(input[:body], output[:body], shard_numel, op)
+            self._all_reduce_body(output=output[:body], input=input[:body], shard_numel=shard_numel, op=op)
         if body < numel:
-            self._all_reduce_whole(input[body:], output[body:], op)
+            self._all_reduce_whole(output=output[body:], input=input[body:], op=op)
 
-    def _all_reduce_body(self, input: torch.Tensor, output: torch.Tensor, shard_numel: int, op: ReduceOp) -> None:
+    def _all_reduce_body(self, *, output: torch.Tensor, input: torch.Tensor, shard_numel: int, op: ReduceOp) -> None:
         """Local reduce-scatter, cross-host all-reduce of the shard, local
         all-gather: piece by piece, pipelined ([Note: hierarchical pipeline])."""
-        local_size, wide, sum_op = self.placement.local_world_size, input.dtype in LOW_PRECISION, _level_op(op)
+        local_size, wide, sum_op = self.placement.local_world_size, input.dtype in LOW_PRECISION, partial_op(op)
         source = self._widened(0, input) if wide else input
         shards = self._scratch[1].get(shard_numel, torch.float32, input.device) if wide else None
         bounds = pieces(shard_numel, num_pieces(input.numel() * input.element_size()))
@@ -219,7 +226,7 @@ class HierarchicalTransport:
         def after(k: int) -> None:
             _, piece_output, shard = piece(k)
             own = piece_output[self.local_rank * shard.numel():][:shard.numel()]
-            self._finish_reduction(shard, own, op)
+            self._finish_reduction(output=own, reduced=shard, op=op)
             with self._step("all_reduce", 3, "local all-gather"):
                 self.local.all_gather(output=piece_output, input=own)
 
@@ -228,16 +235,16 @@ class HierarchicalTransport:
                                                        agreed=True),
                        after)
 
-    def _all_reduce_whole(self, input: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> None:
+    def _all_reduce_whole(self, *, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> None:
         """Local all-reduce, then a cross-host all-reduce of all of it (every ring
         alike): for small tensors, and for the last numel % L elements."""
         wide = input.dtype in LOW_PRECISION
         work = self._widened(0, input) if wide else output
         with self._step("all_reduce", 4, "local all-reduce"):
-            self.local.all_reduce(output=work, input=input if not wide else work, op=_level_op(op))
+            self.local.all_reduce(output=work, input=input if not wide else work, op=partial_op(op))
         with self._step("all_reduce", 5, "cross-host all-reduce"):
-            self.cross.all_reduce(output=work, input=work, op=_level_op(op), agreed=True)
-        self._finish_reduction(work, output, op)
+            self.cross.all_reduce(output=work, input=work, op=partial_op(op), agreed=True)
+        self._finish_reduction(output=output, reduced=work, op=op)
 
     def reduce_scatter(self, *, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> None:
         """Per piece of the chunks: each host's chunks reduce-scattered locally
@@ -258,16 +265,16 @@ class HierarchicalTransport:
                 block = self._host_chunks(input, ranks, numel, acc_dtype, lo, hi)
                 with self._step("reduce_scatter", 1, f"local reduce-scatter of host {host}'s chunks"):
                     self.local.reduce_scatter(output=partials[num_hosts * lo + host * (hi - lo):][:hi - lo],
-                                              input=block, op=_level_op(op))
+                                              input=block, op=partial_op(op))
 
         def across(k: int) -> None:
             lo, hi = bounds[k]
             self.cross.reduce_scatter(output=result[lo:hi], input=partials[num_hosts * lo:num_hosts * hi],
-                                      op=_level_op(op), agreed=True)
+                                      op=partial_op(op), agreed=True)
 
         def after(k: int) -> None:
             lo, hi = bounds[k]
-            self._finish_reduction(result[lo:hi], output[lo:hi], op)
+            self._finish_reduction(output=output[lo:hi], reduced=result[lo:hi], op=op)
 
         self._pipeline("reduce_scatter", 2, "cross-host reduce-scatter", bounds, 4 * num_hosts, before, across,
                        after)
@@ -312,10 +319,9 @@ class HierarchicalTransport:
         bound_s = self.timeout_s * (2 * self.placement.num_hosts * segments + 2)
         self._pipe.run(Stages(op, cross_step, cross_what, before, across, after), len(bounds), bound_s)
 
-    def levels(self) -> tuple[Callable[..., None], Callable[..., None], tuple[tuple[int, ...], ...]]:
-        """(local all_to_all, cross-host all_to_all, ranks of each host): the two
-        levels for collectives that reduce where the data lands (ringcomm.comm.quantized),
-        after agree(); a failure of either is this group's, as in every step here."""
+    def levels(self) -> Levels:
+        """The two levels for collectives that reduce where the data lands (ringcomm.comm.quantized);
+        a failure of either is this group's, as in every step here."""
         def local(*, output: torch.Tensor, input: torch.Tensor) -> None:
             with self._step("all_to_all", 1, "local all-to-all"):
                 self.local.all_to_all(output=output, input=input)
@@ -323,7 +329,10 @@ class HierarchicalTransport:
         def cross(*, output: torch.Tensor, input: torch.Tensor) -> None:
             with self._step("all_to_all", 2, "cross-host all-to-all"):
                 self.cross.all_to_all(output=output, input=input, agreed=True)
-        return local, cross, self.placement.ranks_on
+        return Levels(local, cross, self.placement.ranks_on, lambda key: self._agree("all_to_all", None, 0, key=key))
+
+    def all_to_all(self, *, output: torch.Tensor, input: torch.Tensor, key: CallKey | None = None) -> None:
+        raise ValueError(f"all_to_all: rank {self.rank}: over two levels, use levels() (ringcomm.comm.quantized)")
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
         """Across hosts among the root's local rank, then inside every host."""
@@ -378,13 +387,9 @@ class HierarchicalTransport:
             block[local_rank].copy_(input[rank * numel + lo:rank * numel + hi])
         return block.view(-1)
 
-    def _finish_reduction(self, reduced: torch.Tensor, output: torch.Tensor, op: ReduceOp) -> None:
+    def _finish_reduction(self, *, output: torch.Tensor, reduced: torch.Tensor, op: ReduceOp) -> None:
         """AVG's one division by the world size, then the one rounding to 16 bits."""
         if op == ReduceOp.AVG:
             reduce_into(reduced, [reduced], ReduceOp.AVG, self.world_size)
         if reduced.data_ptr() != output.data_ptr() or reduced.dtype != output.dtype:
             output.copy_(reduced)
-
-
-def _level_op(op: ReduceOp) -> ReduceOp:
-    return ReduceOp.SUM if op == ReduceOp.AVG else op

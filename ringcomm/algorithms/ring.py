@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from ..core.ops import LOW_PRECISION, ReduceOp
+from ..core.ops import LOW_PRECISION, ReduceOp, partial_op
 from ..kernels.cpu import reduce_into
 from ..plan import schedule
 
@@ -89,7 +89,7 @@ def reduce_scatter(link: Link, *, output: torch.Tensor, input: torch.Tensor, chu
             buffers[(step.step - 1) % 2][:send_chunk.numel]
         partial = buffers[step.step % 2][:recv_chunk.numel]
         last = step.step == len(steps) - 1
-        step_op = op if last or op != ReduceOp.AVG else ReduceOp.SUM
+        step_op = op if last else partial_op(op)
         transfers = _start_step(link, send, partial, segment_numel, name, step.step)
         for seg, transfer in transfers:
             transfer.wait_recv()

@@ -15,7 +15,7 @@ from ..comm import collectives
 from ..comm.group import GroupOptions, create_group
 from ..core import compat
 from ..core.ops import ReduceOp
-from ..observe import profiling, recorder
+from ..observe import profiling
 from . import ops as backend_ops, p2p as backend_p2p
 from .forwarding import ForwardingGloo
 from .registration import BACKEND_NAME
@@ -30,11 +30,11 @@ STORE_PREFIX = "ringcomm-backend/"
 #   reduce_scatter, reduce_scatter_single(+_coalesced), barrier -> ringcomm transport.
 #   One dense contiguous tensor (allreduce, broadcast) or pair (all_gather_single,
 #   reduce_scatter_single) with torch's options, in a call that runs inline,
-#   takes the lean path: straight to the transport without Group.run when the
-#   group takes lean calls (nothing queued; the transport checks that one thread
-#   at a time calls it). allreduce and the pairs take ringcomm.comm.collectives' own
-#   lean path ([Note: lean path]), broadcast takes() and _run_lean. Their Works
-#   are FinishedWorks ([Note: finished works] in backend/work.py); any other
+#   takes the lean path: straight to the transport, with no Group.run, when the
+#   group takes lean calls (nothing queued; one thread at a time). allreduce and
+#   the pairs take ringcomm.comm.collectives' own lean path ([Note: lean path]),
+#   broadcast takes() and _run_lean (Group.run_lean: run's bookkeeping, inline).
+#   Their Works are FinishedWorks ([Note: finished works] in backend/work.py); any other
 #   call goes the general path, which checks it.
 # Forwarded collectives (gather, scatter, reduce, all_to_all, allgather_coalesced,
 # and accelerated ones whose tensors ringcomm does not take) -> an internal gloo
@@ -309,18 +309,10 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     def _run_lean(self, op: str, fn: Callable[[], None], opts: object, value: list[torch.Tensor], *,
                   inputs: Sequence[torch.Tensor]) -> dist.Work:
         """_run for a transport call of the lean path: when it would run inline
-        and the group takes lean calls, it runs here without Group.run's lock."""
-        group = self._group
-        if group.lean_handle is None or not self._may_run_lean(opts) or profiling.active():
-            return self._run(op, fn, opts, value, inputs=inputs)
-        entry = None if group.recorder is None else group.recorder.record(op, inputs, value, None, "started")
-        try:
-            fn()
-        except Exception as err:
-            raise group.failed(entry, err) from None
-        if entry is not None:
-            recorder.completed(entry)
-        return finished_work(value)
+        and the group takes lean calls, Group.run_lean runs it, else _run."""
+        if self._may_run_lean(opts) and self._group.run_lean(op, fn, inputs, value):
+            return finished_work(value)
+        return self._run(op, fn, opts, value, inputs=inputs)
 
     def _forward(self, op: str, tensors: Sequence[torch.Tensor], call: Callable[[dist.ProcessGroup], dist.Work],
                  opts: object, value: object = None, *, inputs: Sequence[torch.Tensor] = ()) -> dist.Work:

@@ -12,11 +12,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..plan.layout import BufferLayout, plan_buckets
 from ..plan.schedule import Span
+
+if TYPE_CHECKING:
+    from ..comm.group import Group
 
 Allocate = Callable[[int, torch.dtype], torch.Tensor]
 VIEW_KINDS = ("grad", "data")
@@ -215,16 +219,11 @@ def flat_buffers(params: Iterable[torch.nn.Parameter], *, world_size: int, bucke
                        allocate=allocate, views_for=views_for) for group in groups.values()]
 
 
-def transport_allocator(group: object) -> Allocate | None:
+def transport_allocator(group: Group) -> Allocate:
     """The group's allocator for buffers its collectives use without staging
-    copies (shared memory on shm): `group.allocate`, else the transport's
-    `allocate(numel, dtype)` hook; None means plain torch memory. Both are
-    collective: every rank builds its buffers in the same order."""
-    for owner in (group, getattr(group, "transport", None)):
-        allocate = getattr(owner, "allocate", None)
-        if callable(allocate):
-            return allocate
-    return None
+    copies (shared memory on shm, plain torch memory elsewhere: Group.allocate).
+    Collective: every rank builds its buffers in the same order."""
+    return group.allocate
 
 
 def _check_params(params: list[torch.nn.Parameter], views_for: Sequence[str]) -> None:

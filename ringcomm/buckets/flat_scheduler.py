@@ -38,7 +38,7 @@ class BucketScheduler(BucketLauncher):
 
     def __init__(self, buffers: Sequence[FlatBuffer], group: Group | None = None, *, mode: str = "reduce_scatter",
                  op: object = ReduceOp.AVG, overlap: bool = True, find_unused_parameters: bool = False,
-                 timeout: float | None = None) -> None:
+                 timeout_s: float | None = None) -> None:
         if len({b.device.type for b in buffers}) > 1:
             raise ValueError(f"BucketScheduler: buffers on {[str(b.device) for b in buffers]}: use one scheduler per "
                              f"device type")
@@ -52,7 +52,7 @@ class BucketScheduler(BucketLauncher):
         collectives = GroupCollectives(group, to_reduce_op(op, where="BucketScheduler"))
         super().__init__(self._buffer_buckets(), collectives, mode=mode, overlap=overlap, bind_grads=True,
                          find_unused_parameters=find_unused_parameters,
-                         timeout_s=timeout if timeout is not None else group.transport.timeout_s + 5.0)
+                         timeout_s=timeout_s if timeout_s is not None else group.transport.timeout_s + 5.0)
 
     def _buffer_buckets(self) -> list[GradBucket]:
         return [GradBucket(buffer.layout, k, [buffer.params[i] for i in span.param_indices], self.group.rank,

@@ -69,7 +69,7 @@ class BucketLauncher:
                  bind_grads: bool, find_unused_parameters: bool, timeout_s: float, scale: float = 1.0,
                  on_launch: Callable[[GradBucket], None] | None = None) -> None:
         if mode not in MODES:
-            raise ValueError(f"BucketScheduler: mode={mode!r} is not one of {MODES}")
+            raise ValueError(f"{type(self).__name__}: mode={mode!r} is not one of {MODES}")
         self.mode, self.collectives, self.overlap = mode, collectives, overlap
         self.bind_grads, self.scale, self.on_launch = bind_grads, scale, on_launch
         self.find_unused_parameters, self.timeout_s = find_unused_parameters, timeout_s
@@ -103,7 +103,7 @@ class BucketLauncher:
             if not param.requires_grad:
                 continue
             if id(param) not in self._where:
-                raise ValueError(f"BucketScheduler.register_hooks: parameter {name or tuple(param.shape)} requires "
+                raise ValueError(f"{type(self).__name__}.register_hooks: parameter {name or tuple(param.shape)} requires "
                                  f"grad but is in none of the {len(self.buckets)} buckets (rank {self.collectives.rank})")
             registration.append(param)
             self._names[id(param)] = name or f"parameter {tuple(param.shape)} {param.dtype}"
@@ -141,7 +141,7 @@ class BucketLauncher:
         and launches every bucket that is now complete, in launch order."""
         where = self._where.get(id(param))
         if where is None:
-            raise ValueError(f"BucketScheduler.mark_ready: parameter {tuple(param.shape)} {param.dtype} is in no "
+            raise ValueError(f"{type(self).__name__}.mark_ready: parameter {tuple(param.shape)} {param.dtype} is in no "
                              f"bucket (rank {self.collectives.rank})")
         bucket = self.buckets[where[0]]
         with self._lock:
@@ -149,7 +149,7 @@ class BucketLauncher:
             if not self._sync_enabled:
                 return
             if id(param) in self._marked:
-                raise RuntimeError(f"BucketScheduler.mark_ready: {self._name(param)} marked ready twice in one step "
+                raise RuntimeError(f"{type(self).__name__}.mark_ready: {self._name(param)} marked ready twice in one step "
                                    f"on rank {self.collectives.rank}: call finish() after each backward (or use no_sync())")
             self._active = True
             self._marked.add(id(param))
@@ -194,7 +194,7 @@ class BucketLauncher:
             return
         if not self.bind_grads:
             bucket.fill_unwritten()
-        what = f"BucketScheduler {self.mode} of bucket {bucket.index} ({bucket.dtype}) on rank {self.collectives.rank}"
+        what = f"{type(self).__name__} {self.mode} of bucket {bucket.index} ({bucket.dtype}) on rank {self.collectives.rank}"
         grad, comm = bucket.ensure(), self.collectives
         if self.mode == "all_reduce":
             def start(async_op: bool) -> Work:
@@ -273,7 +273,7 @@ class BucketLauncher:
         unused = [p for p in self._params if id(p) not in self._marked]
         if unused and not self.find_unused_parameters:
             names = [self._name(p) for p in unused]
-            raise RuntimeError(f"BucketScheduler.finish: rank {self.collectives.rank}: {len(unused)} parameters got no "
+            raise RuntimeError(f"{type(self).__name__}.finish: rank {self.collectives.rank}: {len(unused)} parameters got no "
                                f"gradient this step: {names[:16]}; pass find_unused_parameters=True to treat them as zero")
         for param in unused:
             k, position = self._where[id(param)]

@@ -35,7 +35,7 @@ def chunk(tensor: torch.Tensor, index: int, numel: int) -> torch.Tensor:
     return tensor.reshape(-1)[index * numel:(index + 1) * numel]
 
 
-def all_reduce_input(input: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+def all_reduce_input(output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
     return input.clone() if overlaps(input, output) and not same_memory(input, output) else input
 
 

@@ -104,7 +104,7 @@ def all_reduce(tensor: torch.Tensor, op: object = ReduceOp.SUM, group: Group | N
         if output.numel() != tensor.numel():
             raise ValueError(f"all_reduce: output.numel()={output.numel()} != tensor.numel()={tensor.numel()} "
                              f"on rank {group.rank}")
-        tensor = aliasing.all_reduce_input(tensor, output)
+        tensor = aliasing.all_reduce_input(output, tensor)
     return group.run("all_reduce", lambda: group.transport.all_reduce(output=output, input=tensor, op=redop),
                      async_op, inputs=(tensor,), outputs=(output,), redop=redop)
 

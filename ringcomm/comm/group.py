@@ -5,7 +5,6 @@ from __future__ import annotations
 import concurrent.futures
 import enum
 import itertools
-import os
 import re
 import threading
 import time
@@ -17,18 +16,17 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..algorithms.flat_ring import TorchDistOptions, open_torch_dist
-from ..algorithms.hierarchical import HierarchicalTransport
+from ..algorithms.choice import open_transport
+from ..algorithms.flat_ring import TorchDistOptions
 from ..core import arguments, compat
 from ..core.ops import ReduceOp
 from ..observe import profiling, recorder as recorder_mod
 from ..transport import rendezvous
 from ..transport.base import Transport
-from ..transport.placement import Placement, auto_transport, exchange_hosts, plan_placement
-from ..transport.shm import ShmOptions, ShmTransport
+from ..transport.placement import Placement, exchange_hosts, plan_placement
+from ..transport.shm import ShmOptions
 from .work import Work
 
-TRANSPORTS = ("auto", "shm", "torch_dist", "hierarchical")
 DEFAULT_TIMEOUT_S = 300.0
 
 
@@ -71,12 +69,12 @@ class Group:
         self._last: concurrent.futures.Future | None = None
         self._lock = threading.Lock()
         self._state = GroupState.OPEN
-        self._caller: threading.Thread | None = None  # see [Note: one caller thread]
+        self._caller = 0  # the ident of the thread with calls in flight: see [Note: one caller thread]
         self._in_flight = 0
         # The transport's handle for lean calls (collectives.py), or None while
         # they must not run inline: the transport has none, work is queued on the
         # comm thread, or the group is closed.
-        self.lean_handle = getattr(transport, "handle", None)
+        self.lean_handle = transport.handle
         self._idle_handle = self.lean_handle
         self.recorder = recorder_mod.for_group(self.rank, self.world_size, global_ranks, transport.kind,
                                                self.timeout_s, self._idle_handle)
@@ -99,7 +97,8 @@ class Group:
             except Exception as err:
                 raise self.failed(entry, err) from None
             finally:
-                self._leave()
+                with self._lock:
+                    self._in_flight -= 1
                 if event is not None:
                     event.end()
             if entry is not None:
@@ -110,6 +109,30 @@ class Group:
             work.wait()
             return None
         return work
+
+    def run_lean(self, op: str, fn: Callable[[], None], inputs: Sequence[torch.Tensor],
+                 outputs: Sequence[torch.Tensor]) -> bool:
+        """The lean path's inline call ([Note: lean path]): `fn` here, with run()'s
+        bookkeeping (in flight, the flight recorder); False, running nothing, when
+        the group takes no lean calls now (work queued, closed, a profiler on)."""
+        if self.lean_handle is None or profiling.active():
+            return False
+        with self._lock:
+            if self.lean_handle is None:  # work queued or the group closed since the read above
+                return False
+            self._claim(op)
+        entry = None if self.recorder is None else self.recorder.record(op, inputs, outputs, None, "started")
+        try:
+            fn()
+        except Exception as err:
+            raise self.failed(entry, err) from None
+        finally:
+            # No lock: while this call is in flight nothing else changes the count
+            # (other threads are refused above, nothing is queued to finish).
+            self._in_flight -= 1
+        if entry is not None:
+            recorder_mod.completed(entry)
+        return True
 
     def _submit(self, op: str, fn: Callable[[], None], entry: list | None, event: profiling.Event | None) -> Work:
         """Queues `fn` on the comm thread; its entry and event follow it there."""
@@ -168,22 +191,25 @@ class Group:
     def _enter(self, op: str, async_op: bool) -> bool:
         """Checks that the group is open and not in use by another thread; counts
         the call in flight. Returns whether it runs inline."""
-        caller = threading.current_thread()
         with self._lock:
             if self._state is not GroupState.OPEN:
                 raise RuntimeError(f"{op}: rank {self.rank}: the group is {self._state.value} ({self!r})")
-            if self._in_flight and self._caller is not caller:
-                raise RuntimeError(
-                    f"{op}: rank {self.rank}: called from thread {caller.name!r} while thread {self._caller.name!r} "
-                    f"has {self._in_flight} collective(s) in flight on {self!r}; a group's collectives must come from "
-                    f"one thread at a time, in the same order on every rank (use one group per thread)")
-            self._caller = caller
-            self._in_flight += 1
+            self._claim(op)
             return not async_op and self._last is None
 
-    def _leave(self) -> None:
-        with self._lock:
-            self._in_flight -= 1
+    def _claim(self, op: str) -> None:
+        """Under the lock: refuses a call from a second thread while the first
+        has calls in flight ([Note: one caller thread]); counts this one."""
+        caller = threading.get_ident()
+        if self._in_flight and self._caller != caller:
+            names = {t.ident: t.name for t in threading.enumerate()}
+            raise RuntimeError(
+                f"{op}: rank {self.rank}: called from thread {names.get(caller, caller)!r} while thread "
+                f"{names.get(self._caller, self._caller)!r} has {self._in_flight} collective(s) in flight on {self!r}; "
+                f"a group's collectives must come from one thread at a time, in the same order on every rank (use "
+                f"one group per thread)")
+        self._caller = caller
+        self._in_flight += 1
 
     def _finished(self, future: concurrent.futures.Future) -> None:
         with self._lock:
@@ -269,38 +295,12 @@ class Group:
 
 def create_group(store: dist.Store, rank: int, world_size: int, *, options: GroupOptions,
                  global_ranks: tuple[int, ...] | None = None) -> Group:
-    """Collective over the group's ranks: builds the transport, rendezvousing through
-    `store` (a store private to this group). A torch_dist transport rides on a
-    gloo group made on `store`, owned (and shut down) by the group; a hierarchical
-    one owns its gloo group (see hierarchical.py)."""
+    """Collective: the group's hosts, then its transport, through `store` (private to this group)."""
     recorder_mod.agree_run_id(store)  # [Note: run id]
     placement = plan_placement(exchange_hosts(store, rank, world_size, options.timeout_s))
-    kind = resolve_transport(options.transport, placement)
-    pg, fallback = None, ""
-    if kind == "hierarchical":
-        fallback = placement.unsupported()
-    if kind == "shm":
-        transport: Transport = ShmTransport.create(dist.PrefixStore("shm/", store), rank, world_size, options.timeout_s,
-                                                   options.shm)
-    elif kind == "hierarchical" and not fallback:
-        transport = HierarchicalTransport.create(store, rank, placement, options.timeout_s, shm=options.shm,
-                                                 torch_dist=options.torch_dist)
-    else:  # torch_dist, or the flat ring where the placement rules hierarchical out (describe() says why)
-        transport, pg = open_torch_dist(store, rank, world_size, options.timeout_s, options.torch_dist,
-                                        fallback=fallback)
+    transport, pg = open_transport(store, rank, placement, kind=options.transport, timeout_s=options.timeout_s,
+                                   shm=options.shm, torch_dist=options.torch_dist)
     return Group(transport, global_ranks or tuple(range(world_size)), placement, owned_pg=pg)
-
-
-def resolve_transport(requested: str, placement: Placement) -> str:
-    """`RINGCOMM_TRANSPORT` wins over `requested`; "auto" compares the ranks' hosts
-    (RINGCOMM_HOST, else the host name): shm on one host, torch_dist when every
-    rank is on a host of its own, hierarchical otherwise."""
-    kind = os.environ.get("RINGCOMM_TRANSPORT", requested)
-    if kind not in TRANSPORTS:
-        raise ValueError(f"ringcomm: transport {kind!r} is not one of {TRANSPORTS} (RINGCOMM_TRANSPORT or transport=)")
-    if kind != "auto":
-        return kind
-    return auto_transport(placement.hosts)
 
 
 def new_group(ranks: list[int] | None = None, *, transport: str = "auto", timeout: float | timedelta = DEFAULT_TIMEOUT_S,
@@ -330,9 +330,7 @@ def new_group(ranks: list[int] | None = None, *, transport: str = "auto", timeou
     return create_group(store, rank, len(members), options=options, global_ranks=members)
 
 
-# The n-th new_group call of this process; every rank makes the same calls in
-# the same order (as with dist.new_group), so n names the same group everywhere.
-_new_group_calls = itertools.count()
+_new_group_calls = itertools.count()  # the n-th call names one group: every rank calls in the same order
 
 
 def _check_members(store: dist.Store, rank: int, members: tuple[int, ...], timeout_s: float) -> None:

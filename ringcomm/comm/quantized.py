@@ -47,6 +47,7 @@ import torch
 from ..core.ops import ReduceOp, to_reduce_op
 from ..kernels import quant
 from ..transport.agreement import CallKey
+from ..transport.base import Levels, Transport
 from .group import Group, resolve_group
 from .work import Work
 
@@ -74,19 +75,20 @@ class Rows:
     def empty(self, *shape: int) -> torch.Tensor:
         return torch.zeros(*shape, self.nbytes, dtype=torch.uint8)  # zeros: the padding is sent too
 
-    def pack(self, values: torch.Tensor, row: torch.Tensor) -> None:
-        quant.quantize_into(values, row[:self.data_nbytes], row[self.scales_at:].view(torch.float32),
-                            bits=self.bits, block=self.block)
+    def pack(self, values: torch.Tensor, *, out: torch.Tensor) -> None:
+        """out (a row) = values quantized."""
+        packed = quant.Quantized(out[:self.data_nbytes], out[self.scales_at:].view(torch.float32))
+        quant.quantize_into(values, out=packed, bits=self.bits, block=self.block)
 
-    def unpack(self, row: torch.Tensor, out: torch.Tensor) -> None:
-        quant.dequantize(row[:self.data_nbytes], row[self.scales_at:].view(torch.float32), out, bits=self.bits,
+    def unpack(self, row: torch.Tensor, *, out: torch.Tensor) -> None:
+        quant.dequantize(row[:self.data_nbytes], row[self.scales_at:].view(torch.float32), out=out, bits=self.bits,
                          block=self.block)
 
-    def unpack_sum(self, rows: torch.Tensor, out: torch.Tensor) -> None:
+    def unpack_sum(self, rows: torch.Tensor, *, out: torch.Tensor) -> None:
         """out = the float32 sum of the rows' values ([k, nbytes]), rounded once."""
         data = rows[:, :self.data_nbytes].contiguous()
         scales = rows[:, self.scales_at:].contiguous().view(torch.float32)
-        quant.dequantize_sum(data, scales, out, bits=self.bits, block=self.block)
+        quant.dequantize_sum(data, scales, out=out, bits=self.bits, block=self.block)
 
 
 def _words(rows: torch.Tensor) -> torch.Tensor:
@@ -125,13 +127,13 @@ def quantized_all_gather(output: torch.Tensor, input: torch.Tensor, group: Group
     def body() -> None:
         mine, gathered = rows.empty(), rows.empty(group.world_size)
         if rows.numel:
-            rows.pack(input.view(-1), mine)
+            rows.pack(input.view(-1), out=mine)
         group.transport.all_gather(output=_words(gathered), input=_words(mine), key=key)
         if rows.numel == 0:
             return
         flat = output.view(-1)
         for rank in range(group.world_size):
-            rows.unpack(gathered[rank], flat[rank * rows.numel:(rank + 1) * rows.numel])
+            rows.unpack(gathered[rank], out=flat[rank * rows.numel:(rank + 1) * rows.numel])
 
     return group.run("quantized_all_gather", body, async_op, inputs=(input,), outputs=(output,))
 
@@ -156,42 +158,42 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: obje
     def body() -> None:
         chunks = input.view(group.world_size, rows.numel)
         result = output.view(-1) if redop == ReduceOp.SUM else torch.empty(rows.numel, dtype=torch.float32)
-        levels = getattr(group.transport, "levels", None)
-        if levels is None:
+        if group.transport.levels is None:
             _one_level(group.transport, chunks, rows, result, key)
         else:
-            group.transport.agree(key)
+            levels = group.transport.levels()
+            levels.agree(key)
             if rows.numel:
-                _two_levels(*levels(), chunks, rows, result)
+                _two_levels(levels, chunks, rows, result)
         if redop == ReduceOp.AVG and rows.numel:
             output.view(-1).copy_(result.div_(group.world_size))
 
     return group.run("quantized_reduce_scatter", body, async_op, inputs=(input,), outputs=(output,), redop=redop)
 
 
-def _one_level(transport, chunks: torch.Tensor, rows: Rows, result: torch.Tensor, key: CallKey) -> None:
+def _one_level(transport: Transport, chunks: torch.Tensor, rows: Rows, result: torch.Tensor, key: CallKey) -> None:
     world_size = chunks.shape[0]
     send, recv = rows.empty(world_size), rows.empty(world_size)
     for rank in range(world_size if rows.numel else 0):
-        rows.pack(chunks[rank], send[rank])
+        rows.pack(chunks[rank], out=send[rank])
     transport.all_to_all(output=_words(recv), input=_words(send), key=key)
     if rows.numel:
-        rows.unpack_sum(recv, result)
+        rows.unpack_sum(recv, out=result)
 
 
-def _two_levels(local_all_to_all, cross_all_to_all, ranks_on: tuple[tuple[int, ...], ...], chunks: torch.Tensor,
-                rows: Rows, result: torch.Tensor) -> None:
-    """Steps 1-4 of [Note: quantized reduce-scatter]; ranks_on[h][l]: the rank of host h, local rank l."""
+def _two_levels(levels: Levels, chunks: torch.Tensor, rows: Rows, result: torch.Tensor) -> None:
+    """Steps 1-4 of [Note: quantized reduce-scatter]."""
+    local_all_to_all, cross_all_to_all, ranks_on = levels.local_all_to_all, levels.cross_all_to_all, levels.ranks_on
     num_hosts, local_size = len(ranks_on), len(ranks_on[0])
     send, recv = rows.empty(local_size, num_hosts), rows.empty(local_size, num_hosts)
     for local_rank in range(local_size):
         for host in range(num_hosts):
-            rows.pack(chunks[ranks_on[host][local_rank]], send[local_rank, host])
+            rows.pack(chunks[ranks_on[host][local_rank]], out=send[local_rank, host])
     local_all_to_all(output=_words(recv), input=_words(send))
     partials = torch.empty(num_hosts, rows.numel, dtype=torch.float32)
     cross_send, cross_recv = rows.empty(num_hosts), rows.empty(num_hosts)
     for host in range(num_hosts):
-        rows.unpack_sum(recv[:, host], partials[host])
-        rows.pack(partials[host], cross_send[host])
+        rows.unpack_sum(recv[:, host], out=partials[host])
+        rows.pack(partials[host], out=cross_send[host])
     cross_all_to_all(output=_words(cross_recv), input=_words(cross_send))
-    rows.unpack_sum(cross_recv, result)
+    rows.unpack_sum(cross_recv, out=result)

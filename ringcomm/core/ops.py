@@ -19,6 +19,12 @@ class ReduceOp(enum.IntEnum):
     MAX = 4
 
 
+def partial_op(op: ReduceOp) -> ReduceOp:
+    """The op of a partial reduction (a ring step, one level of a hierarchy, one
+    launch of several): AVG sums, and only the last reduction divides."""
+    return ReduceOp.SUM if op == ReduceOp.AVG else op
+
+
 DTYPE_CODES: dict[torch.dtype, int] = {
     torch.float32: 0,
     torch.float64: 1,

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..core.ops import LOW_PRECISION, ReduceOp, dtype_code, to_reduce_op
+from ..core.ops import LOW_PRECISION, ReduceOp, dtype_code, partial_op, to_reduce_op
 
 
 def source_path(name: str = "reduce.cu") -> Path:
@@ -138,13 +138,13 @@ def _reduce_chained(dst: torch.Tensor, srcs: Sequence[torch.Tensor], op: ReduceO
     single pass; AVG sums until the last launch, which divides."""
     later = {s.data_ptr() for s in srcs[MAX_SOURCES:]}
     out = torch.empty_like(dst) if dst.data_ptr() in later else dst  # dst must not be overwritten while still read
-    partial_op = ReduceOp.SUM if op == ReduceOp.AVG else op
+    partial = partial_op(op)
     start = MAX_SOURCES
-    reduce_into(out, srcs[:start], partial_op)
+    reduce_into(out, srcs[:start], partial)
     while start < len(srcs):
         group = srcs[start:start + MAX_SOURCES - 1]
         start += len(group)
-        reduce_into(out, [out, *group], op if start == len(srcs) else partial_op, divisor)
+        reduce_into(out, [out, *group], op if start == len(srcs) else partial, divisor)
     if out is not dst:
         dst.copy_(out)
 

@@ -51,13 +51,13 @@ def dequantize_sum_args(data: torch.Tensor, scales: torch.Tensor, out: torch.Ten
             np.int32(DTYPE_CODES[out.dtype]), np.int64(out.numel()), np.int32(bits), np.int64(block))
 
 
-def quantize_into(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, *, bits: int, block: int) -> None:
-    """ringcomm.kernels.quant.quantize_into on checked CUDA tensors (numel > 0)."""
+def quantize_into(x: torch.Tensor, *, out: tuple[torch.Tensor, torch.Tensor], bits: int, block: int) -> None:
+    """ringcomm.kernels.quant.quantize_into on checked CUDA tensors (numel > 0); out: (data, scales)."""
     _launch("ringcomm_quantize", x.device, _grid(x.numel(), block),
-            quantize_args(x, data, scales, bits=bits, block=block))
+            quantize_args(x, out[0], out[1], bits=bits, block=block))
 
 
-def dequantize_sum(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *, num_rows: int, bits: int,
+def dequantize_sum(data: torch.Tensor, scales: torch.Tensor, *, out: torch.Tensor, num_rows: int, bits: int,
                    block: int) -> None:
     """ringcomm.kernels.quant.dequantize_sum on checked CUDA tensors (numel > 0)."""
     _launch("ringcomm_dequantize_sum", out.device, _grid(out.numel(), block),

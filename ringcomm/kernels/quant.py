@@ -102,9 +102,10 @@ def _device_kind(where: str, device: torch.device) -> str:
     raise ValueError(f"{where}: tensors on {device} are not supported (cpu or cuda)")
 
 
-def quantize_into(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, *, bits: int, block: int) -> None:
-    """Quantizes the flat x into data (uint8, packed_nbytes) and scales (float32, num_blocks), as
+def quantize_into(x: torch.Tensor, *, out: Quantized, bits: int, block: int) -> None:
+    """Quantizes the flat x into out = (data: uint8, packed_nbytes; scales: float32, num_blocks), as
     [Note: quantized blocks]. data and scales may be views into a larger buffer."""
+    data, scales = out
     where = f"quantize_into ({bits} bits, {block=})"
     check_format(where, bits=bits, block=block)
     _check_float(where, "x", x)
@@ -114,7 +115,7 @@ def quantize_into(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, *, 
     if numel == 0:
         return
     if _device_kind(where, x.device) == "cuda":
-        cuda_quant.quantize_into(x, data, scales, bits=bits, block=block)
+        cuda_quant.quantize_into(x, out=out, bits=bits, block=block)
     else:
         _C.quantize(x.data_ptr(), DTYPE_CODES[x.dtype], numel, data.data_ptr(), scales.data_ptr(), bits, block,
                     torch.get_num_threads())
@@ -125,11 +126,11 @@ def quantize(x: torch.Tensor, *, bits: int, block: int) -> Quantized:
     check_format(f"quantize ({bits} bits, {block=})", bits=bits, block=block)
     data = torch.empty(packed_nbytes(x.numel(), bits), dtype=torch.uint8, device=x.device)
     scales = torch.empty(num_blocks(x.numel(), block), dtype=torch.float32, device=x.device)
-    quantize_into(x, data, scales, bits=bits, block=block)
+    quantize_into(x, out=Quantized(data, scales), bits=bits, block=block)
     return Quantized(data, scales)
 
 
-def dequantize(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *, bits: int, block: int) -> torch.Tensor:
+def dequantize(data: torch.Tensor, scales: torch.Tensor, *, out: torch.Tensor, bits: int, block: int) -> torch.Tensor:
     """Writes the dequantized values of (data, scales) into out (its numel is the element count)
     and returns out."""
     where = f"dequantize ({bits} bits, {block=})"
@@ -138,10 +139,10 @@ def dequantize(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *, b
     numel = out.numel()
     _check_packed(where, "data", data, torch.uint8, (packed_nbytes(numel, bits),), out.device)
     _check_packed(where, "scales", scales, torch.float32, (num_blocks(numel, block),), out.device)
-    return _dequantize_sum(where, data, scales, out, num_rows=1, bits=bits, block=block)
+    return _dequantize_sum(where, data, scales, out=out, num_rows=1, bits=bits, block=block)
 
 
-def dequantize_sum(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *, bits: int,
+def dequantize_sum(data: torch.Tensor, scales: torch.Tensor, *, out: torch.Tensor, bits: int,
                    block: int) -> torch.Tensor:
     """out = the sum over rows j = 0..k-1, in order, of dequantize(data[j], scales[j]), in float32,
     rounded once to out's dtype; one pass over out. data: uint8 [k, packed_nbytes(n)], scales:
@@ -154,15 +155,15 @@ def dequantize_sum(data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, 
     num_rows, numel = data.shape[0], out.numel()
     _check_packed(where, "data", data, torch.uint8, (num_rows, packed_nbytes(numel, bits)), out.device)
     _check_packed(where, "scales", scales, torch.float32, (num_rows, num_blocks(numel, block)), out.device)
-    return _dequantize_sum(where, data, scales, out, num_rows=num_rows, bits=bits, block=block)
+    return _dequantize_sum(where, data, scales, out=out, num_rows=num_rows, bits=bits, block=block)
 
 
-def _dequantize_sum(where: str, data: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *, num_rows: int,
+def _dequantize_sum(where: str, data: torch.Tensor, scales: torch.Tensor, *, out: torch.Tensor, num_rows: int,
                     bits: int, block: int) -> torch.Tensor:
     if out.numel() == 0:
         return out
     if _device_kind(where, out.device) == "cuda":
-        cuda_quant.dequantize_sum(data, scales, out, num_rows=num_rows, bits=bits, block=block)
+        cuda_quant.dequantize_sum(data, scales, out=out, num_rows=num_rows, bits=bits, block=block)
     else:
         _C.dequantize_sum(data.data_ptr(), scales.data_ptr(), num_rows, out.data_ptr(), DTYPE_CODES[out.dtype],
                           out.numel(), bits, block, torch.get_num_threads())

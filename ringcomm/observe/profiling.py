@@ -21,20 +21,13 @@ from collections.abc import Sequence
 import torch
 
 from ..core.compat import profiler_enabled, record_function
+from ..plan.schedule import torch_name
 
 PREFIX = "ringcomm:"
 
-# The backend's calls under the names torch's backends give their events.
-_TORCH_NAMES = {
-    "allreduce": "all_reduce", "allreduce_coalesced": "all_reduce", "allgather": "all_gather",
-    "allgather_coalesced": "all_gather", "all_gather_single": "all_gather_into_tensor",
-    "reduce_scatter_single": "reduce_scatter_tensor", "alltoall": "all_to_all", "all_to_all_single": "all_to_all",
-}
-
-
 def event_name(op: str) -> str:
-    """`ringcomm:<op>`, with the backend's calls named as torch's events are."""
-    return PREFIX + _TORCH_NAMES.get(op, op)
+    """`ringcomm:<op>`, with the backend's calls named as torch's events are ([Note: op names])."""
+    return PREFIX + torch_name(op)
 
 
 def active() -> bool:

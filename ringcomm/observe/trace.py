@@ -17,13 +17,10 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+from ..plan.schedule import ring_op
+from .profiling import PREFIX
 from .recorder import FILE_PREFIX
 from .trace_dumps import NO_RUN_ID, MixedRunsError, Unreadable, load, scan  # load: for callers of trace.load
-
-# Names of one call on its two paths (lean and the backend's checked one).
-_SAME_OP = {"ringcomm:all_gather_into_tensor": "ringcomm:all_gather",
-            "ringcomm:reduce_scatter_tensor": "ringcomm:reduce_scatter"}
-
 
 @dataclass(frozen=True, slots=True)
 class Call:
@@ -55,7 +52,9 @@ class GroupReport:
 
 def _call(entry: dict) -> Call:
     dtype = entry["input_dtypes"][0] if entry["input_dtypes"] else ""
-    return Call(_SAME_OP.get(entry["profiling_name"], entry["profiling_name"]),
+    name = entry["profiling_name"]  # a call's names on its two paths (lean, checked) name one ring op
+    op = PREFIX + ring_op(name.removeprefix(PREFIX)) if name.startswith(PREFIX) else name
+    return Call(op,
                 tuple(map(tuple, entry["input_sizes"])), tuple(map(tuple, entry["output_sizes"])), dtype)
 
 

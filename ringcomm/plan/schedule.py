@@ -47,6 +47,31 @@ class RingStep:
 RING_PHASES = {"reduce_scatter": 1, "all_gather": 1, "all_reduce": 2}
 
 
+# [Note: op names] The one table of the names one collective goes by: the
+# backend's calls (torch's ProcessGroup methods), torch's event names (gloo's
+# and NCCL's profiler events, DeepSpeed's comms logger) and the ring op that
+# runs it. alias -> (torch's name, ring op); a name not here is all three.
+OP_NAMES: dict[str, tuple[str, str]] = {
+    "allreduce": ("all_reduce", "all_reduce"), "allreduce_coalesced": ("all_reduce", "all_reduce"),
+    "allgather": ("all_gather", "all_gather"), "allgather_coalesced": ("all_gather", "all_gather"),
+    "all_gather_single": ("all_gather_into_tensor", "all_gather"),
+    "all_gather_into_tensor": ("all_gather_into_tensor", "all_gather"),
+    "reduce_scatter_single": ("reduce_scatter_tensor", "reduce_scatter"),
+    "reduce_scatter_tensor": ("reduce_scatter_tensor", "reduce_scatter"),
+    "alltoall": ("all_to_all", "all_to_all"), "all_to_all_single": ("all_to_all", "all_to_all"),
+}
+
+
+def torch_name(op: str) -> str:
+    """The name torch's backends give `op`'s events ([Note: op names])."""
+    return OP_NAMES[op][0] if op in OP_NAMES else op
+
+
+def ring_op(op: str) -> str:
+    """The ring collective `op` runs ([Note: op names])."""
+    return OP_NAMES[op][1] if op in OP_NAMES else op
+
+
 def bus_factor(op: str, world_size: int) -> float:
     """busbw / algbw of `op` on `world_size` ranks (nccl-tests): the bytes one
     rank sends per byte of the op's size S ([Note: ring volume])."""

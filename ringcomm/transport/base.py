@@ -1,7 +1,8 @@
 """The interface every transport implements."""
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -42,6 +43,18 @@ class PointToPoint(Protocol):
         ...
 
 
+class Levels(NamedTuple):
+    """The two levels of a hierarchical transport, for collectives that reduce
+    where the data lands (ringcomm.comm.quantized): agree(key) first (the
+    agreement step alone), then all_to_all over each level; a failure of either
+    is the group's."""
+
+    local_all_to_all: Callable[..., None]  # (*, output, input) among the ranks of this host
+    cross_all_to_all: Callable[..., None]  # (*, output, input) among this local rank's peers on other hosts
+    ranks_on: tuple[tuple[int, ...], ...]  # ranks_on[h][l]: the rank of host h, local rank l
+    agree: Callable[[CallKey], None]
+
+
 class Transport(Protocol):
     """Moves and combines the bytes of one group's collectives.
 
@@ -57,6 +70,26 @@ class Transport(Protocol):
     world_size: int
     timeout_s: float
     p2p: PointToPoint | None  # None: point-to-point goes over the process group's own send/recv
+    handle: object | None  # the C++ handle of the lean calls ([Note: lean path]); None: no lean calls
+    levels: Callable[[], Levels] | None  # a transport of two levels (hierarchical); None: one level
+
+    def describe(self) -> str:
+        """How bytes move, for benchmark headers, logs and tests."""
+        ...
+
+    @property
+    def broken(self) -> str:
+        """Why the transport refuses work after a failure ("" while it is usable)."""
+        ...
+
+    def peer_aborted(self) -> str:
+        """Which peer aborted the group ("rank N aborted the group"), where the
+        transport can tell cheaply; else ""."""
+        ...
+
+    def mismatch_error(self, err: ValueError, op: str, key: CallKey | None = None) -> ValueError:
+        """The error to raise for a call mismatch `err` the lean calls raised for `op`."""
+        ...
 
     def supports(self, tensor: torch.Tensor) -> bool: ...
 
@@ -74,8 +107,7 @@ class Transport(Protocol):
 
     def all_to_all(self, *, output: torch.Tensor, input: torch.Tensor, key: CallKey | None = None) -> None:
         """Chunk p of input to rank p, chunk p of output from rank p (equal chunks,
-        distinct buffers). A transport of two levels offers agree() and levels()
-        instead (HierarchicalTransport)."""
+        distinct buffers). A transport of two levels also offers its levels()."""
         ...
 
     def barrier(self) -> None: ...

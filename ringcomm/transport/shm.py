@@ -85,6 +85,7 @@ class ShmOptions:
 
 class ShmTransport:
     kind = "shm"
+    levels = None  # one level
 
     def __init__(self, comm: _C.ShmComm, store: dist.Store, timeout_s: float) -> None:
         self._comm = comm

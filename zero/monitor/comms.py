@@ -27,11 +27,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ringcomm.plan.schedule import bus_factor
+from ringcomm.plan.schedule import RING_PHASES, bus_factor, ring_op
 
-# How DeepSpeed sizes an op's whole buffer from its message size, and the ring op it is.
-_RING_OP = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "all_gather": "all_gather",
-            "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter": "reduce_scatter", "broadcast": "broadcast"}
+# How DeepSpeed sizes an op's whole buffer from its message size.
 _WHOLE = {"all_gather_into_tensor": "world", "all_gather": "world"}  # the message is one rank's chunk
 
 
@@ -74,8 +72,8 @@ def bandwidths(name: str, msg_nbytes: int, latency_ms: float, world_size: int) -
     """(algbw, busbw) in Gbps, see [Note: comms logger]."""
     whole = msg_nbytes * world_size if name in _WHOLE else msg_nbytes
     algbw = whole * 8 / 1e6 / latency_ms if latency_ms > 0 else 0.0
-    ring_op = _RING_OP.get(name)
-    return algbw, algbw * (bus_factor(ring_op, world_size) if ring_op else 1.0)
+    op = ring_op(name)  # [Note: op names] in ringcomm.plan.schedule
+    return algbw, algbw * (bus_factor(op, world_size) if op in RING_PHASES or op == "broadcast" else 1.0)
 
 
 def timed(name: str, message: object, call, *args, **kwargs):
