@@ -1,0 +1,121 @@
+"""zero/'s rooms import one way (a total order, lowest first, over every
+import, module-level or inside a function), their __init__.py import
+nothing eagerly, the package face is lazy (`python -m zero.estimate` runs
+without ringcomm), and the files zero's text names exist."""
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ZERO = ROOT / "zero"
+# Lowest first: a room may import only from rooms before it. The package
+# face (zero/*.py) sits above them all and no room imports it.
+ROOM_ORDER = ("parsing", "optim", "checkpoint", "monitor", "sharding", "offload", "activation", "estimate", "runtime")
+DEEPSPEED_FILES = {"zero_to_fp32.py"}  # DeepSpeed's, named for comparison
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path) -> set[str]:
+    """Every zero module `path` imports, wherever the import statement is."""
+    name, out = module_name(path), set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - (node.level - 1)] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module
+            if target and target.split(".")[0] == "zero":
+                out |= {f"{target}.{a.name}" if (ZERO.parent / f"{target}.{a.name}".replace(".", "/")).exists()
+                        or (ZERO.parent / (f"{target}.{a.name}".replace(".", "/") + ".py")).exists() else target
+                        for a in node.names}
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.split(".")[0] == "zero"}
+    return out
+
+
+def room_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and (ZERO / parts[1]).is_dir() else None
+
+
+def test_every_room_is_in_the_order() -> None:
+    rooms = {p.name for p in ZERO.iterdir() if (p / "__init__.py").exists()}
+    assert rooms == set(ROOM_ORDER), f"rooms {sorted(rooms)} != the order's {sorted(ROOM_ORDER)}"
+
+
+def test_room_imports_run_one_way() -> None:
+    wrong = []
+    for path in sorted(ZERO.rglob("*.py")):
+        src = room_of(module_name(path))
+        if src is None:  # the package face
+            continue
+        for target in imports(path):
+            dst = room_of(target)
+            if dst is None:
+                wrong.append(f"{module_name(path)} -> {target} (the package face)")
+            elif dst != src and ROOM_ORDER.index(dst) > ROOM_ORDER.index(src):
+                wrong.append(f"{module_name(path)} -> {target} ({src} is below {dst})")
+    assert not wrong, "imports from a lower room to a higher one:\n" + "\n".join(wrong)
+
+
+def test_rooms_import_nothing_eagerly() -> None:
+    for room in ROOM_ORDER:
+        tree = ast.parse((ZERO / room / "__init__.py").read_text())
+        eager = [ast.unparse(n) for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
+                 and not (isinstance(n, ast.ImportFrom) and n.module == "__future__")]
+        assert not eager, f"zero/{room}/__init__.py imports at import time: {eager}"
+
+
+def test_files_named_in_zero_exist() -> None:
+    names = {p.name for p in ROOT.rglob("*.py") if ".venv" not in p.parts and "build" not in p.parts}
+    missing = [(str(p.relative_to(ROOT)), m) for p in sorted(ZERO.rglob("*.py"))
+               for m in sorted(set(re.findall(r"\b([A-Za-z_0-9]+\.py)\b", p.read_text())))
+               if m not in names and m not in DEEPSPEED_FILES]
+    assert not missing, f"(module, a file it names that does not exist): {missing}"
+
+
+def test_one_home_for_the_unknown_key_warning() -> None:
+    homes = [str(p.relative_to(ROOT)) for p in ZERO.rglob("*.py") if "unknown key" in p.read_text()]
+    assert len(homes) == 1, f"the unknown-key warning is written in {homes}"
+
+
+BLOCKED = textwrap.dedent("""
+    import importlib.abc, sys
+
+    class Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "ringcomm" or name.startswith("ringcomm."):
+                raise ImportError(f"{name} is blocked (no compiled extension here)")
+            return None
+
+    sys.meta_path.insert(0, Block())
+    sys.argv = ["zero.estimate", "--params", "1e9", "--ranks", "8"]
+    import runpy
+    try:
+        runpy.run_module("zero.estimate", run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        assert not e.code, e.code
+    import zero
+    assert callable(zero.estimate.estimate) and "initialize" in dir(zero)
+    print("LOADED", sorted(m for m in sys.modules if m.startswith("ringcomm")))
+""")
+
+
+def test_estimate_runs_without_ringcomm() -> None:
+    done = subprocess.run([sys.executable, "-c", BLOCKED], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[-1] == "LOADED []", lines[-1]
+    table = "\n".join(lines)
+    # 1e9 parameters, 8 ranks, fp16/bf16 + Adam: stage 0 holds 16 B per parameter, stage 3 16/8 (GB = 1e9 B)
+    assert "1e+09 parameters, 8 ranks" in table, table
+    assert re.search(r"^\s*0 \|\s+16\.0 GB", table, re.M) and re.search(r"^\s*3 \|\s+2\.0 GB", table, re.M), table
