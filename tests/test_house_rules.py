@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = sorted(p for d in ("ringcomm", "zero") for p in (ROOT / d).rglob("*.py"))
-ROOMS = ("runtime", "sharding", "offload", "checkpoint", "activation", "estimate")
+ROOMS = ("parsing", "optim", "checkpoint", "monitor", "sharding", "offload", "activation", "estimate", "runtime")
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))

@@ -126,7 +126,7 @@ def test_dynamic_loss_scaler_rules() -> None:
 
 def test_rebind_keeps_param_groups() -> None:
     import torch
-    from zero.runtime.optim import rebind
+    from zero.optim.optimizers import rebind
     a, b, c = (torch.nn.Parameter(torch.zeros(n)) for n in (4, 6, 3))
     opt = torch.optim.AdamW([{"params": [a, c], "weight_decay": 0.1}, {"params": [b], "weight_decay": 0.0}])
     flat = torch.zeros(13)
@@ -153,12 +153,12 @@ def test_offload_and_aio_sections() -> None:
                               "pipeline": True},
         "offload_param": {"device": "nvme", "nvme_path": "/y", "buffer_size": 4096, "max_in_cpu": 0}},
         "aio": {"block_size": 8192, "queue_depth": 4, "intra_op_parallelism": 2, "single_submit": True}}, FACTS)
-    assert parsed.zero.offload_optimizer == "nvme" and parsed.zero.offload_param == "nvme"
+    assert parsed.zero.offload_optimizer_options.device == "nvme" and parsed.zero.offload_param_options.device == "nvme"
     assert parsed.zero.offload_optimizer_options == cfg.OffloadOptions(
         device="nvme", nvme_path="/x", buffer_count=3, fast_init=True, pipeline_read=True, pipeline_write=True)
     assert parsed.zero.offload_param_options == cfg.OffloadOptions(
         device="nvme", nvme_path="/y", buffer_count=5, buffer_size=4096, max_in_cpu=0)
-    assert parsed.aio == cfg.AioOptions(block_size=8192, queue_depth=4, thread_count=2, single_submit=True)
+    assert parsed.aio == cfg.AioOptions(block_size=8192, thread_count=2)
 
 
 def test_keys_without_effect_warn_once_when_they_ask_for_something() -> None:

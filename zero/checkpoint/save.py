@@ -1,7 +1,7 @@
 """Saving checkpoints. save_dir/TAG/ holds, per rank, the named shards it
 updates (element ranges of each parameter: fp32 master and optimizer states)
 and, from rank 0, the engine state, the module's state_dict and a manifest
-(the files: checkpoint_files.py). save_dir/latest names the last complete tag.
+(the files: format.py). save_dir/latest names the last complete tag.
 Named shards load on any world size and stage (load.py).
 
 [Note: atomic save]
@@ -114,7 +114,7 @@ def deepspeed_facts(engine) -> dict:
 def deepspeed_optimizer(engine) -> str:
     """DeepSpeed's optimizer for this engine's config ("FusedAdam", ...), or the client's class."""
     config, cls = engine.config, type(engine.optimizer)
-    offload = {"offload_optimizer": {"device": config.zero.offload_optimizer}}
+    offload = {"offload_optimizer": {"device": config.zero.offload_optimizer_options.device}}
     built = built_by({"optimizer": config.optimizer, "zero_optimization": offload})
     if built is not None:
         return built

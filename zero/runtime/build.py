@@ -8,7 +8,6 @@ from torch import nn
 from ringcomm.layout import BufferLayout, plan_buckets, plan_module_buckets
 from ringcomm.transport.placement import host_name
 
-from .. import comm as comm_mod
 from ..activation import checkpointing
 from ..monitor.setup import open_step_log
 from ..monitor.step_log import StepLog
@@ -21,7 +20,7 @@ from ..sharding.param_group import ParamGroup, build_buckets
 from ..sharding.seam import make_comm, make_partition_comm
 from ..sharding.wire import Topology
 from . import config as config_mod
-from . import optim
+from ..optim import optimizers as optim
 from .engine import EngineParts, ZeroEngine
 from .precision import make_scaler
 
@@ -94,9 +93,9 @@ def module_groups(model: nn.Module, params: list[nn.Parameter]) -> tuple[list[nn
 def make_group(buckets: list, cfg: config_mod.EngineConfig, comm, optimizer: torch.optim.Optimizer) -> ParamGroup:
     """The ParamGroup for the config's offload sections."""
     zero = cfg.zero
-    if zero.offload_optimizer == "none" and zero.offload_param == "none":
+    if zero.offload_optimizer_options.device == "none" and zero.offload_param_options.device == "none":
         return ParamGroup(buckets, zero.policy, comm, timeout_s=comm.timeout_s)
-    if "nvme" not in (zero.offload_optimizer, zero.offload_param):
+    if "nvme" not in (zero.offload_optimizer_options.device, zero.offload_param_options.device):
         return HostParamGroup(buckets, zero.policy, comm, timeout_s=comm.timeout_s,
                               options=zero.offload_optimizer_options, param_options=zero.offload_param_options)
     return NvmeParamGroup(buckets, zero.policy, comm, timeout_s=comm.timeout_s, options=zero.offload_optimizer_options,
@@ -116,7 +115,7 @@ def use_zeropp(group: ParamGroup, comm, cfg: config_mod.EngineConfig) -> None:
     comm.topology = Topology(comm.rank, tuple(hosts), hierarchical=hierarchical)
     if options == zeropp.ZeroPPOptions():
         return
-    zeropp.check_placement(options, hosts, comm.kind, cfg.zero.offload_param)
+    zeropp.check_placement(options, hosts, comm.kind, cfg.zero.offload_param_options.device)
     comm.zeropp = options
     size = options.hpz_partition_size
     group.use_zeropp(options, make_partition_comm(comm, size) if size > 1 else None)
@@ -147,7 +146,6 @@ def make_scheduler(lr_scheduler, optimizer, cfg: config_mod.EngineConfig):
 
 def build_engine(model: nn.Module, optimizer=None, model_parameters=None, lr_scheduler=None,
                  config=None, comm_backend: str | None = None, args: object = None) -> ZeroEngine:
-    comm_mod.init_distributed()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     cfg = config_mod.parse(config if config is not None else {}, model_facts(model, world_size, args))
     activation = checkpointing.for_engine(cfg.activation_checkpointing)
@@ -169,7 +167,7 @@ def assemble(model: nn.Module, cfg: config_mod.EngineConfig, activation: checkpo
     params = trainable_params(model)
     optimizer = make_optimizer(optimizer, model_parameters, params, cfg)
     device = params[0].device if params else torch.device("cpu")
-    offloaded = (cfg.zero.offload_optimizer, cfg.zero.offload_param) != ("none", "none")
+    offloaded = (cfg.zero.offload_optimizer_options.device, cfg.zero.offload_param_options.device) != ("none", "none")
     comm = make_comm(comm_backend or cfg.comm_backend or "ringcomm", device, host_tensors=offloaded)
     comm.overlap = cfg.zero.overlap_comm
     layout, module_uses = plan_layout(model, params, cfg, world_size)

@@ -26,8 +26,8 @@ from ringcomm.layout import BufferLayout
 from ringcomm.overlap import OwnedBucketScheduler
 from ringcomm.schedule import Span
 
-from ..offload import host_adam
-from ..runtime.optim import unscaled
+from ..optim import host_adam
+from ..optim.optimizers import unscaled
 from . import init as zero_init
 from .policy import ShardingPolicy
 from .seam import Comm, Handle
