@@ -175,6 +175,9 @@ def assemble(model: nn.Module, cfg: config_mod.EngineConfig, activation: checkpo
     group = make_group(buckets, cfg, comm, optimizer)
     use_zeropp(group, comm, cfg)
     optim.rebind(optimizer, params, group.setup_masters())
+    names = {id(p): name for name, p in model.named_parameters()}
+    param_names = [names[id(p)] for p in params]
+    group.attach(optimizer, param_names)
     group.register_hooks(params)
     gatherer = None
     if cfg.zero.policy.shard_params:
@@ -185,6 +188,5 @@ def assemble(model: nn.Module, cfg: config_mod.EngineConfig, activation: checkpo
         gatherer.register()
     scheduler = make_scheduler(lr_scheduler, optimizer, cfg)
     scaler = make_scaler(dtype, cfg.scaler)
-    names = {id(p): name for name, p in model.named_parameters()}
     return ZeroEngine(EngineParts(model, optimizer, scheduler, cfg, group, gatherer, scaler, comm, dtype,
-                                  [names[id(p)] for p in params], params, activation, step_log))
+                                  param_names, params, activation, step_log))
