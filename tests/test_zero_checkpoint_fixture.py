@@ -63,7 +63,8 @@ def test_fixture_loads_exactly_and_saves_the_same_files() -> None:
             assert sorted(os.listdir(old)) == sorted(os.listdir(new)), f"stage {stage}: the files differ"
             for r in range(2):
                 name = f"zero_shards_rank{r}_of2.safetensors"
-                assert same(tensors(os.path.join(old, name)), tensors(os.path.join(new, name))), f"stage {stage}: {name}"
+                same_file = same(tensors(os.path.join(old, name)), tensors(os.path.join(new, name)))
+                assert same_file, f"stage {stage}: {name}"
             for name in ("engine_state.pt", "model_states.pt"):
                 a, b = (torch.load(os.path.join(d, name), weights_only=True) for d in (old, new))
                 assert same(a, b), f"stage {stage}: {name} differs"

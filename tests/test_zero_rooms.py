@@ -119,3 +119,24 @@ def test_estimate_runs_without_ringcomm() -> None:
     # 1e9 parameters, 8 ranks, fp16/bf16 + Adam: stage 0 holds 16 B per parameter, stage 3 16/8 (GB = 1e9 B)
     assert "1e+09 parameters, 8 ranks" in table, table
     assert re.search(r"^\s*0 \|\s+16\.0 GB", table, re.M) and re.search(r"^\s*3 \|\s+2\.0 GB", table, re.M), table
+
+
+def test_the_lazy_face_keeps_deepspeeds_names() -> None:
+    import zero
+    from zero.activation import checkpointing
+    from zero.runtime import build, config, engine
+    from zero.sharding import init, policy
+
+    assert zero.comm.init_distributed is zero.init_distributed and callable(zero.comm.all_reduce)
+    assert zero.zero.Init is zero.Init is init.Init and zero.zero.GatheredParameters is zero.GatheredParameters
+    assert zero.checkpointing.checkpoint is checkpointing.checkpoint and zero.checkpointing.configure
+    assert (zero.EngineConfig, zero.parse, zero.ZeroEngine, zero.ShardingPolicy) == (
+        config.EngineConfig, config.parse, engine.ZeroEngine, policy.ShardingPolicy)
+    assert callable(zero.initialize) and callable(zero.add_config_arguments) and callable(build.build_engine)
+    assert set(zero.__all__) <= set(dir(zero)), sorted(set(zero.__all__) - set(dir(zero)))
+    try:
+        zero.no_such_name
+    except AttributeError as error:
+        assert "no_such_name" in str(error)
+    else:
+        raise AssertionError("zero.no_such_name did not raise AttributeError")

@@ -12,8 +12,9 @@ _LAZY = {  # public name -> (module, attribute or None for the module itself)
     "checkpointing": ("zero.checkpointing", None), "comm": ("zero.comm", None), "estimate": ("zero.estimate", None),
     "zero": ("zero.zero", None), "init_distributed": ("zero.comm", "init_distributed"),
     "EngineConfig": ("zero.runtime.config", "EngineConfig"), "parse": ("zero.runtime.config", "parse"),
-    "ZeroEngine": ("zero.runtime.engine", "ZeroEngine"), "GatheredParameters": ("zero.sharding.init", "GatheredParameters"),
-    "Init": ("zero.sharding.init", "Init"), "ShardingPolicy": ("zero.sharding.policy", "ShardingPolicy"),
+    "ZeroEngine": ("zero.runtime.engine", "ZeroEngine"), "Init": ("zero.sharding.init", "Init"),
+    "GatheredParameters": ("zero.sharding.init", "GatheredParameters"),
+    "ShardingPolicy": ("zero.sharding.policy", "ShardingPolicy"),
 }
 
 

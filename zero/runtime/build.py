@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ringcomm.layout import BufferLayout, plan_buckets, plan_module_buckets
+from ringcomm import BufferLayout, plan_buckets, plan_module_buckets
 from ringcomm.transport.placement import host_name
 
 from ..activation import checkpointing
