@@ -9,8 +9,9 @@ that all of them did, and only then does any rank change its state.
                  read every master slice and optimizer state this rank updates
                  into new tensors, each saved tensor's crc32 checked first
     agree        (barrier.py: a deadline; carries each rank's error)
-    every rank   apply(): copy the staged values in, hand the optimizer its
-                 states, scheduler, scaler, counters; publish the masters
+    every rank   apply(): each stateful part (parts.py) loads its staged
+                 state: buffers, scaler, scheduler, counters, then the
+                 shards (masters, optimizer states), which publish the masters
 If any rank failed to stage, every rank raises the same ValueError naming
 each failing rank's file and tensor or parameter, and no rank changed
 anything. Staging holds one extra copy of this rank's masters and states.
