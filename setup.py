@@ -113,7 +113,7 @@ class build_ext_with_cpu_variants(build_ext):
 
 class build_py_with_cuda_sources(build_py):
     """Copies csrc/cuda/*.cu into the built package as ringcomm/cuda/*.cu, where
-    ringcomm.cuda_kernels finds them through importlib.resources (an editable
+    ringcomm.kernels.cuda finds them through importlib.resources (an editable
     install reads them from csrc/cuda instead)."""
 
     def run(self) -> None:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import ringcomm
 from ringcomm import _C
-from ringcomm.schedule import bus_factor
+from ringcomm.plan.schedule import bus_factor
 
 # torch 2.13 names, with the older ones as fallback.
 GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -124,7 +124,7 @@ def collective_rows(pg, floor, fake, gloo, rank: int, world_size: int) -> list[t
     import torch.distributed as dist
 
     import ringcomm
-    from ringcomm.ops import DTYPE_CODES, ReduceOp
+    from ringcomm.core.ops import DTYPE_CODES, ReduceOp
 
     group, transport = pg._group, pg._group.transport
     comm = getattr(transport, "_comm", None)
@@ -169,9 +169,9 @@ def piece_rows(pg) -> list[tuple[str, int, str, Callable]]:
     import torch
     import torch.distributed as dist
 
-    from ringcomm import backend_ops, backend_work
-    from ringcomm.backend_work import accelerated_redop
-    from ringcomm.ops import ReduceOp
+    from ringcomm.backend import ops as backend_ops, work as backend_work
+    from ringcomm.backend.work import accelerated_redop
+    from ringcomm.core.ops import ReduceOp
 
     class PlainWork(dist.Work):
         pass

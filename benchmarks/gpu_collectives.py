@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bus_bw import parse_size  # noqa: E402
 from launch import launch  # noqa: E402
 
-from ringcomm.schedule import bus_factor  # noqa: E402
+from ringcomm.plan.schedule import bus_factor
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 REFERENCE = {"cuda": "nccl", "cpu": "gloo"}

@@ -2,7 +2,7 @@
 of collectives, close or abort the group from another thread at a random
 moment", on 2 local ranks. A cycle fails on a crash (a rank dies), a hang (the
 loop still runs 20 s after the kill), a wrong result or an error other than the
-documented ones ([Note: group lifetime] in ringcomm/group.py).
+documented ones ([Note: group lifetime] in ringcomm/comm/group.py).
 
     python benchmarks/lifecycle_soak.py                    # 200 cycles per path
     python benchmarks/lifecycle_soak.py --cycles 20 --transports shm

@@ -8,7 +8,7 @@ import statistics
 
 from peers_cells import BEST_OF, DTYPE, PEERS, POINT_TO_POINT, numel_for
 
-from ringcomm.schedule import bus_factor
+from ringcomm.plan.schedule import bus_factor
 
 LABELS = {"rc_plain": "ringcomm plain", "rc_window": "ringcomm windows", "rc_dist": "ringcomm dist.*",
           "mpi": "Open MPI", "deepspeed": "DeepSpeed shm", "gloo": "gloo", "memcpy": "memcpy"}

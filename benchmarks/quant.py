@@ -1,4 +1,4 @@
-"""Blockwise quantization kernels (ringcomm.quant) against torch doing the same work and
+"""Blockwise quantization kernels (ringcomm.kernels.quant) against torch doing the same work and
 against the same run's memcpy, one process, GB/s per byte of the float side; with
 --collectives, the quantized collectives themselves on local ranks.
 
@@ -34,7 +34,7 @@ from launch import launch  # noqa: E402
 from machine import cpu_line, write_json  # noqa: E402
 import torch  # noqa: E402
 
-from ringcomm import quant  # noqa: E402
+from ringcomm.kernels import quant
 
 FORMATS = {"int8": (8, 4096), "int4": (4, 1024)}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from launch import launch  # noqa: E402
 
-from ringcomm.schedule import bus_factor  # noqa: E402
+from ringcomm.plan.schedule import bus_factor
 
 STAGES = (0, 1, 2, 3)
 

@@ -1,29 +1,72 @@
 """ringcomm: bucketed ring collectives for data-parallel training in PyTorch.
-Importing it registers the torch.distributed backend "ringcomm" (process_group.py)."""
+
+The package face: the public names below load their module on first use, so
+`import ringcomm.plan.schedule` loads no torch. Importing ringcomm registers
+the torch.distributed backend "ringcomm" once torch is loaded (at once if it
+already is; backend/registration.py), so dist.init_process_group("ringcomm")
+works in any import order.
+
+Rooms, lowest first; each imports only from rooms before it (the order is
+checked by tests/test_house_rules.py), and each __init__.py says what it owns:
+plan (stdlib-only plans), core (codes, checks, torch compatibility), kernels,
+observe (profiler events, flight recorder), transport (moving bytes),
+algorithms (rings and hierarchies over transports), comm (groups and the
+public collectives), buckets (gradient buffers and overlap), backend (the
+torch.distributed backend).
+"""
 from __future__ import annotations
 
-from . import process_group
-from .buffer import FlatBuffer, GradBucket, flat_buffers, transport_allocator
-from .coalesced import all_gather_coalesced, reduce_scatter_coalesced
-from .collectives import all_gather, all_reduce, barrier, broadcast, empty, reduce_scatter
-from .flat_scheduler import BucketScheduler
-from .kernels import CpuCapabilities, cpu_capabilities, cpu_capability
-from .group import Group, GroupOptions, GroupState, create_group, default_group, destroy_default_group, new_group
-from .launch import OverlapReport
-from .layout import BufferLayout, BucketSpan, ParamSlot, plan_buckets, plan_groups, plan_module_buckets
-from .ops import ReduceOp
-from .recorder import dump_trace
-from .overlap import BucketLauncher, OwnedBucketScheduler
-from .quantized import quantized_all_gather, quantized_reduce_scatter
-from .transport.shm import ShmOptions
-from .transport.torch_dist import TorchDistOptions
-from .work import Work
+import importlib
+import types
 
-__all__ = [
-    "BucketLauncher", "BucketScheduler", "BucketSpan", "BufferLayout", "CpuCapabilities", "FlatBuffer", "GradBucket", "Group",
-    "GroupOptions", "GroupState", "OverlapReport", "OwnedBucketScheduler", "ParamSlot", "ReduceOp", "ShmOptions",
-    "TorchDistOptions", "Work", "all_gather",
-    "all_gather_coalesced", "all_reduce", "barrier", "broadcast", "cpu_capabilities", "cpu_capability", "create_group", "default_group",
-    "destroy_default_group", "dump_trace", "empty", "flat_buffers", "new_group", "plan_buckets", "plan_groups",
-    "plan_module_buckets", "process_group", "quantized_all_gather", "quantized_reduce_scatter", "reduce_scatter", "reduce_scatter_coalesced", "transport_allocator",
-]
+from .core.on_import import after_import
+
+# Public name -> the module that defines it (relative to ringcomm).
+_HOMES = {
+    "FlatBuffer": "buckets.buffer", "GradBucket": "buckets.buffer", "flat_buffers": "buckets.buffer",
+    "transport_allocator": "buckets.buffer",
+    "all_gather_coalesced": "comm.coalesced", "reduce_scatter_coalesced": "comm.coalesced",
+    "all_gather": "comm.collectives", "all_reduce": "comm.collectives", "barrier": "comm.collectives",
+    "broadcast": "comm.collectives", "empty": "comm.collectives", "reduce_scatter": "comm.collectives",
+    "BucketScheduler": "buckets.flat_scheduler",
+    "CpuCapabilities": "kernels.cpu", "cpu_capabilities": "kernels.cpu", "cpu_capability": "kernels.cpu",
+    "Group": "comm.group", "GroupOptions": "comm.group", "GroupState": "comm.group", "create_group": "comm.group",
+    "default_group": "comm.group", "destroy_default_group": "comm.group", "new_group": "comm.group",
+    "OverlapReport": "buckets.launch",
+    "BufferLayout": "plan.layout", "BucketSpan": "plan.layout", "ParamSlot": "plan.layout",
+    "plan_buckets": "plan.layout", "plan_groups": "plan.layout", "plan_module_buckets": "plan.layout",
+    "ReduceOp": "core.ops",
+    "dump_trace": "observe.recorder",
+    "BucketLauncher": "buckets.overlap", "OwnedBucketScheduler": "buckets.overlap",
+    "quantized_all_gather": "comm.quantized", "quantized_reduce_scatter": "comm.quantized",
+    "ShmOptions": "transport.shm",
+    "TorchDistOptions": "algorithms.flat_ring",
+    "Work": "comm.work",
+}
+_MODULES = {"process_group": "backend.process_group"}
+_ROOMS = ("plan", "core", "kernels", "observe", "transport", "algorithms", "comm", "buckets", "backend")
+
+__all__ = sorted([*_HOMES, *_MODULES])
+
+
+def __getattr__(name: str) -> object:
+    if name in _HOMES:
+        value = getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)
+    elif name in _MODULES or name in _ROOMS:
+        value = importlib.import_module(f".{_MODULES.get(name, name)}", __name__)
+    else:
+        raise AttributeError(f"module 'ringcomm' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__, *_ROOMS})
+
+
+def _register(torch: types.ModuleType) -> None:
+    from .backend.registration import register
+    register()
+
+
+after_import("torch", _register)

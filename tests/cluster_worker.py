@@ -47,7 +47,7 @@ def check_collectives(rank: int, world_size: int, kind: str, description: str) -
     """ringcomm.* on the auto group vs gloo, every dtype and op, hierarchical
     calls in pieces of a few elements (pipelined; test_hierarchical.py covers
     whole calls); what its transport says."""
-    from ringcomm.transport import pipeline
+    from ringcomm.algorithms import pipeline
 
     pipeline.PIECE_NBYTES = 1024
     group = ringcomm.new_group(timeout=60, shm=SMALL_CMA, torch_dist=SMALL_TORCH_DIST)

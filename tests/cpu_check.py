@@ -18,8 +18,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import quant_reference as ref  # noqa: E402
 
 import ringcomm  # noqa: E402
-from ringcomm import kernels, quant  # noqa: E402
-from ringcomm.ops import ReduceOp  # noqa: E402
+from ringcomm.kernels import cpu as kernels, quant
+from ringcomm.core.ops import ReduceOp
 
 SIZES = (1, 17, 1000, 4099)  # a scalar tail, one vector and a tail, many blocks and a tail
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

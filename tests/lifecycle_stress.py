@@ -2,7 +2,7 @@
 collectives, at a random moment, cycle after cycle: the rank worker shared by
 tests/test_close_abort.py (a few cycles) and benchmarks/lifecycle_soak.py (the
 soak). Every cycle must end with the loop stopped by a documented error (see
-[Note: group lifetime] in ringcomm/group.py), no wrong result, no hang."""
+[Note: group lifetime] in ringcomm/comm/group.py), no wrong result, no hang."""
 from __future__ import annotations
 
 import gc
@@ -23,7 +23,7 @@ PATHS = ("api-sync", "api-async", "backend-inline", "backend-thread")
 KILLS = {"api": ("close", "abort"), "backend": ("shutdown", "abort", "destroy_process_group")}
 # What a loop may end with: its own group refused or aborted the call, or a peer
 # closed or aborted its side (shm names the rank; under torch_dist, gloo says the
-# peer's connection closed: [Note: torch_dist abort] in ringcomm/transport/torch_dist.py).
+# peer's connection closed: [Note: torch_dist abort] in ringcomm/algorithms/flat_ring.py).
 DOCUMENTED = re.compile(r"the group is (closed|aborted)|: aborted|(closed|aborted) the group|"
                         r"Connection (closed|reset) by peer")
 # torch's own refusals of a group that destroy_process_group removed (from another

@@ -1,5 +1,5 @@
 """Plain-torch blockwise quantization with the exact float32 ops of [Note: quantized blocks]
-(ringcomm/quant.py), written independently of the kernels: blocks as rows of a padded matrix."""
+(ringcomm/kernels/quant.py), written independently of the kernels: blocks as rows of a padded matrix."""
 from __future__ import annotations
 
 import torch

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import ringcomm
 from harness import run_ranks
-from ringcomm import aliasing
+from ringcomm.comm import aliasing
 
 N = 1000  # elements per chunk: not a multiple of any segment, several segments with the small slots below
 BACKEND_N = 300_000  # elements per chunk through the backend: more than one default (1 MiB) slot

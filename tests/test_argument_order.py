@@ -8,8 +8,10 @@ import pytest
 import torch
 
 import ringcomm
-from ringcomm import _C, ring, schedule
-from ringcomm.ops import DTYPE_CODES, ReduceOp
+from ringcomm import _C
+from ringcomm.algorithms import ring
+from ringcomm.plan import schedule
+from ringcomm.core.ops import DTYPE_CODES, ReduceOp
 from harness import run_ranks
 
 CHUNK = 5

@@ -8,7 +8,10 @@ import torch
 import torch.distributed as dist
 
 import ringcomm
-from ringcomm import ReduceOp, host, kernels, recorder
+from ringcomm import ReduceOp
+from ringcomm.core import host
+from ringcomm.kernels import cpu as kernels
+from ringcomm.observe import recorder
 
 
 def new_recorder() -> recorder.FlightRecorder | None:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from harness import run_ranks
 
 import ringcomm  # noqa: F401  (registers the backend)
-from ringcomm.process_group import ProcessGroupRingcomm
+from ringcomm.backend.process_group import ProcessGroupRingcomm
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 OPS = ("sum", "avg", "max", "min")
@@ -314,7 +314,7 @@ def test_auto_async_mode_follows_the_usable_cores(mode: str, transport: str, loc
     """RINGCOMM_ASYNC=auto runs async calls on the comm thread when every rank on this machine
     has a spare core for it (shm: the group's ranks; torch_dist: LOCAL_WORLD_SIZE);
     a forced mode ignores the cores. The core count is injected, not this machine's."""
-    from ringcomm import backend_work
+    from ringcomm.backend import work as backend_work
 
     monkeypatch.setenv("RINGCOMM_ASYNC", mode)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_ranks))

@@ -1,5 +1,5 @@
 """Interpreter exit after a forwarded collective ([Note: forwarded works at exit]
-in ringcomm/forwarding.py): a pair of fresh processes on the "ringcomm" backend
+in ringcomm/backend/forwarding.py): a pair of fresh processes on the "ringcomm" backend
 runs a gloo-forwarded all_gather (uint8), drops its tensors and exits at once,
 with and without destroy_process_group (the group kept alive after it, as FSDP2's
 DeviceMesh and Accelerate keep it). Every process must exit 0. The same script

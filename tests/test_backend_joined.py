@@ -15,8 +15,8 @@ from test_backend import reinit
 from torch.distributed.distributed_c10d import AllgatherOptions
 
 import ringcomm  # noqa: F401  (registers the backend)
-from ringcomm import backend_ops
-from ringcomm.backend_work import JoinedWork
+from ringcomm.backend import ops as backend_ops
+from ringcomm.backend.work import JoinedWork
 
 NUMELS = (1, 7, 0, 1031)  # pairs of one call: a prime, an empty one, more than one shm message
 

@@ -14,10 +14,11 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions
 
 import ringcomm  # noqa: F401  (registers the backend)
-from ringcomm import _C, aliasing, collectives
-from ringcomm.backend_work import BackendWork, FinishedWork, accelerated_redop, takes
-from ringcomm.ops import ReduceOp
-from ringcomm.process_group import ProcessGroupRingcomm
+from ringcomm import _C
+from ringcomm.comm import aliasing, collectives
+from ringcomm.backend.work import BackendWork, FinishedWork, accelerated_redop, takes
+from ringcomm.core.ops import ReduceOp
+from ringcomm.backend.process_group import ProcessGroupRingcomm
 
 cpp_work = torch._C._distributed_c10d._create_work_from_future  # a C++ reader of a torch future
 
@@ -108,7 +109,7 @@ def test_lean_call_failures_reach_every_reader(group, monkeypatch) -> None:
 
 
 def test_lean_check_refuses_what_the_general_path_must_do(group) -> None:
-    """The lean checks (C++ for ringcomm.collectives, takes() for broadcast) run
+    """The lean checks (C++ for ringcomm.comm.collectives, takes() for broadcast) run
     only plain dense contiguous CPU tensors of a ringcomm dtype, and pairs of
     matching size that overlap only in place; any other call does nothing
     there and returns False, for the checked path to handle or refuse."""

@@ -18,7 +18,7 @@ from harness import run_ranks
 NUM_STEPS = 4
 LR = 1e-2
 TRANSPORT_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
-LEAN_OPS = ("all_reduce_tensor", "reduce_scatter_tensors", "all_gather_tensors")  # ringcomm.collectives' lean path
+LEAN_OPS = ("all_reduce_tensor", "reduce_scatter_tensors", "all_gather_tensors")  # ringcomm.comm.collectives' lean path
 
 
 def count_transport_calls() -> collections.Counter:

@@ -391,7 +391,7 @@ def pipeline_losses(group, rank: int, schedule_name: str) -> list[float]:
 
 def dist_worker(rank: int, world_size: int) -> dict:
     import ringcomm  # noqa: F401  (registers the backend)
-    from ringcomm.backend_p2p import ForwardedPointToPoint
+    from ringcomm.backend.p2p import ForwardedPointToPoint
     from ringcomm.transport.shm_p2p import ShmPointToPoint
 
     timeout = timedelta(seconds=20)  # a bug that hangs fails within it, not at the harness's deadline

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from ringcomm.buffer import FlatBuffer, flat_buffers
+from ringcomm.buckets.buffer import FlatBuffer, flat_buffers
 
 
 def _model() -> nn.Module:

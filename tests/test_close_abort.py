@@ -1,7 +1,7 @@
 """Close, abort and destroy from another thread while a collective runs, on both
 transports and through the backend: no crash (each rank is a process of its
 own, so a SIGSEGV fails the test), no hang, the documented error ([Note: group
-lifetime] in ringcomm/group.py), and default groups that follow torch's world."""
+lifetime] in ringcomm/comm/group.py), and default groups that follow torch's world."""
 from __future__ import annotations
 
 import gc
@@ -10,6 +10,7 @@ import re
 import threading
 import time
 import weakref
+from pathlib import Path
 from datetime import timedelta
 
 import pytest
@@ -20,9 +21,8 @@ import ringcomm
 from harness import run_ranks
 from lifecycle_stress import DOCUMENTED, PATHS, resources, stress
 
-LATE_S = 0.4  # rank 1 joins the collective this late, so rank 0 is inside it
-KILL_AT_S = 0.15  # when rank 0's second thread closes or aborts
 NUMEL = 1 << 20
+WAIT_S = 30.0  # the longest any step of a case waits for the event it waits on
 
 
 def _call(op: str, group) -> torch.Tensor:
@@ -75,8 +75,41 @@ def _kill(kill: str, group) -> None:
         getattr(group, kill)()
 
 
-def stop_mid_call(rank, world_size, transport):
+def _ringcomm_group(how: str, group) -> ringcomm.Group:
+    """The ringcomm Group under a case's group (the backend's is its process group's)."""
+    if how == "new_group":
+        return group
+    return ringcomm.default_group() if how == "default" else group._group
+
+
+def _wait_for(what: str, ready) -> None:
+    """Polls ready() until it holds: the event itself, never a guess at how long it takes."""
+    deadline = time.monotonic() + WAIT_S
+    while not ready():
+        assert time.monotonic() < deadline, f"waited {WAIT_S} s for {what}"
+        time.sleep(0.001)
+
+
+def _stop_inside_the_call(case: str, how: str, kill: str, group, signal_dir: Path) -> float:
+    """Rank 0's second thread: once the flight recorder shows rank 0's call
+    started (it waits inside for rank 1), stops the group; once the group has
+    left OPEN (a graceful stop then waits for the call), tells rank 1 to join.
+    Returns when the stop began."""
+    inner = _ringcomm_group(how, group)
+    _wait_for(f"{case}: rank 0's call to start", lambda: any(
+        e["input_sizes"] == [[NUMEL]] and e["state"] == "started" for e in inner.recorder.entries()))
+    stopping = threading.Thread(target=_kill, args=(kill, group))
+    began = time.monotonic()
+    stopping.start()
+    _wait_for(f"{case}: the group to leave OPEN", lambda: inner.state is not ringcomm.GroupState.OPEN)
+    (signal_dir / case.replace(" ", "-")).touch()
+    stopping.join()
+    return began
+
+
+def stop_mid_call(rank, world_size, transport, signal_dir):
     os.environ["RINGCOMM_TRANSPORT"] = transport  # the backend's and the default group too
+    signal_dir = Path(signal_dir)
     report = []
     for how, op, kill in CASES:
         case = f"{transport} {how} {op} {kill}"
@@ -84,18 +117,21 @@ def stop_mid_call(rank, world_size, transport):
         dist.barrier()
         start = time.monotonic()
         outcome: list = []
+        stop_began: list[float] = []
         if rank == 0:
-            killer = threading.Timer(KILL_AT_S, _kill, (kill, group))
+            killer = threading.Thread(target=lambda: stop_began.append(
+                _stop_inside_the_call(case, how, kill, group, signal_dir)))
             killer.start()
-        else:
-            time.sleep(LATE_S)
+        else:  # joins the collective only once rank 0 is inside it and its group is stopping
+            _wait_for(f"{case}: rank 0 to stop its group", (signal_dir / case.replace(" ", "-")).exists)
         try:
             outcome.append(_call(op, group))
         except RuntimeError as err:
             outcome.append(err)
-        elapsed = time.monotonic() - start
+        ended = time.monotonic()
         if rank == 0:
             killer.join()
+            assert stop_began, f"{case}: rank 0's second thread failed"
         result = outcome[0]
         aborted = kill == "abort"
         if isinstance(result, torch.Tensor):
@@ -106,8 +142,9 @@ def stop_mid_call(rank, world_size, transport):
             assert DOCUMENTED.search(str(result)), f"{case}: rank {rank}: undocumented error {result}"
             assert aborted, f"{case}: rank {rank}: a graceful {kill} failed the call in flight: {result}"
             if rank == 0 and transport == "shm":
-                assert elapsed < KILL_AT_S + 0.2, f"{case}: the call ended {elapsed:.2f} s after start, not at once"
-        assert elapsed < LATE_S + 2.0, f"{case}: rank {rank}: the call took {elapsed:.1f} s"
+                assert ended - stop_began[0] < 0.2, f"{case}: the call ended {ended - stop_began[0]:.2f} s after " \
+                    "the abort, not at once"
+        assert ended - start < 10.0, f"{case}: rank {rank}: the call took {ended - start:.1f} s"
         # Afterwards the stopped group refuses calls; the default group is made anew.
         if how == "new_group" or (how == "backend" and kill != "destroy_process_group"):
             if rank == 0:
@@ -123,13 +160,13 @@ def stop_mid_call(rank, world_size, transport):
                 ringcomm.destroy_default_group()
             assert ringcomm.default_group().state is ringcomm.GroupState.OPEN, f"{case}: a stale default group"
             ringcomm.destroy_default_group()
-        report.append((case, type(result).__name__, round(elapsed, 2)))
+        report.append((case, type(result).__name__, round(ended - start, 2)))
     return report
 
 
 @pytest.mark.parametrize("transport", ["shm", "torch_dist"])
-def test_stop_from_another_thread_mid_call(transport):
-    run_ranks(stop_mid_call, 2, transport, timeout=180)
+def test_stop_from_another_thread_mid_call(transport, tmp_path):
+    run_ranks(stop_mid_call, 2, transport, str(tmp_path), timeout=180)
 
 
 def torch_dist_close_error(rank, world_size):
@@ -250,16 +287,16 @@ class _DeadStore:
 
 
 def test_failure_diagnosis_is_bounded_when_the_store_hangs():
-    from ringcomm.transport import torch_dist
+    from ringcomm.transport import link
 
     store = _DeadStore()
-    diagnosis = torch_dist._Diagnosis(None, 0, 2)
+    diagnosis = link.Diagnosis(None, 0, 2)
     diagnosis.store = store  # after start-up, when the link to the store's host died
     start = time.monotonic()
     note = diagnosis.explain("all_reduce: rank 0 failed")
     elapsed = time.monotonic() - start
     store.release.set()
-    limit = torch_dist.EXPLAIN_WAIT_S + torch_dist.EXPLAIN_STORE_S
+    limit = link.EXPLAIN_WAIT_S + link.EXPLAIN_STORE_S
     assert elapsed < limit + 0.5, f"the diagnosis took {elapsed:.1f} s (bound {limit} s)"
     assert "store did not answer" in note, note
 

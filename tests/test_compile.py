@@ -6,7 +6,7 @@ all_gather_tensor and reduce_scatter_tensor) eager and inside a compiled functio
 Each is checked against the same thing on gloo, and against eager where the
 compiled code is the only difference. Compiled DDP calls the backend from C++
 inside the compiled region (its bucket rebuild), which dynamo must not trace
-([Note: ringcomm under dynamo] in ringcomm/dynamo.py). One spawn of 2 ranks runs
+([Note: ringcomm under dynamo] in ringcomm/backend/dynamo.py). One spawn of 2 ranks runs
 every case: about 9 s with inductor's cache warm, 21 s cold, on 2 cores (slow tier).
 A fast test checks that dynamo, loaded after ringcomm, skips it."""
 from __future__ import annotations
@@ -173,10 +173,10 @@ def test_compile_on_ringcomm(tmp_path) -> None:
 
 
 SKIP_CHECK = """
-import sys, ringcomm
+import sys, ringcomm, ringcomm.backend.process_group
 assert "torch._dynamo" not in sys.modules, "import ringcomm loaded dynamo (seconds)"
 import torch._dynamo.trace_rules as rules
-result = rules.check_file(ringcomm.process_group.__file__)
+result = rules.check_file(ringcomm.backend.process_group.__file__)
 assert result.skipped, result
 print("skipped:", result.reason)
 """

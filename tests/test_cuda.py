@@ -2,7 +2,7 @@
 1. nvcc compiles them (sm_90, and PTX for nvcc's default arch), the host launchers link and
    reject bad arguments (needs nvcc only);
 2. their device code, compiled by g++ and run thread by emulated thread through
-   ringcomm.cuda_kernels, matches the C++ kernel bit for bit (needs a C++ compiler only);
+   ringcomm.kernels.cuda, matches the C++ kernel bit for bit (needs a C++ compiler only);
 3. on a GPU with CuPy: the real launches against plain torch and the C++ kernel."""
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from ringcomm import cuda_kernels
-from ringcomm.kernels import reduce_into as cpu_reduce_into
-from ringcomm.kernels import reference_reduce
-from ringcomm.ops import ReduceOp
+from ringcomm.kernels import cuda as cuda_kernels
+from ringcomm.kernels.cpu import reduce_into as cpu_reduce_into
+from ringcomm.kernels.cpu import reference_reduce
+from ringcomm.core.ops import ReduceOp
 
 CUDA_DIR = Path(__file__).resolve().parent.parent / "csrc" / "cuda"
 SOURCE = CUDA_DIR / "reduce.cu"

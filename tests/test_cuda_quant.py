@@ -1,4 +1,4 @@
-"""csrc/cuda/quant.cu through ringcomm.cuda_quant: the Python arguments match the kernels'
+"""csrc/cuda/quant.cu through ringcomm.kernels.cuda_quant: the Python arguments match the kernels'
 parameters (no GPU needed), and on a GPU with CuPy the kernels match the CPU kernels bit for bit.
 (tests/test_cuda.py compiles quant.cu with nvcc and checks its launchers' argument checks.)"""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from ringcomm import cuda_quant, quant
+from ringcomm.kernels import cuda_quant, quant
 
 C_TYPES = {"unsigned long long": np.uint64, "int": np.int32, "long long": np.int64}
 GPU = torch.cuda.is_available() and importlib.util.find_spec("cupy") is not None
@@ -40,9 +40,16 @@ def test_python_matches_kernel_signatures():
 
 def test_cuda_tensor_without_kernels_is_a_clear_error():
     if GPU:
-        pytest.skip("the kernels are there")
+        pytest.skip("the kernels are there (a CUDA device and cupy)")
+    reason = cuda_quant.unavailable_reason()
+    assert not cuda_quant.available() and reason, reason
     if not torch.cuda.is_available():
-        assert not cuda_quant.available() and "CUDA" in cuda_quant.unavailable_reason()
+        assert "CUDA" in reason, reason
+        return
+    # A CUDA device without cupy: the reason names it, and a CUDA tensor is refused with it.
+    assert "cupy" in reason, reason
+    with pytest.raises(RuntimeError, match="CUDA tensors need the CUDA kernels: cupy is not importable"):
+        quant.quantize(torch.ones(8, device="cuda"), bits=8, block=4)
 
 
 @pytest.mark.skipif(not GPU, reason="needs a CUDA device and cupy")

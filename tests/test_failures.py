@@ -58,18 +58,23 @@ def check_bad_input(rank, world_size, transport):
 
 
 def killed_in_all_reduce(rank: int, group: ringcomm.Group, numel: int) -> tuple[str, float]:
-    """Rank 1 starts an all-reduce of `numel` floats and is killed inside it; the
-    other ranks call all_reduce until it raises. Returns (its message, seconds)."""
+    """Rank 1 starts an all-reduce of `numel` floats and is killed inside it: once
+    its comm thread has started the call (Work.started_at), before the call can
+    end (the other ranks' halves of it are not there yet). The other ranks' one
+    matching all_reduce must raise: it proves the kill landed inside the call.
+    Returns (its message, seconds)."""
     big = torch.ones(numel)
     ringcomm.barrier(group=group)
     if rank == 1:
-        ringcomm.all_reduce(big, group=group, async_op=True)
-        time.sleep(0.005)
+        work = ringcomm.all_reduce(big, group=group, async_op=True)
+        deadline = time.monotonic() + 30
+        while work.started_at is None and time.monotonic() < deadline:
+            time.sleep(0.0005)  # polls the call's own state; the kill does not depend on how long this takes
+        assert work.started_at is not None and not work.is_completed(), "rank 1: the call did not start, or ended"
         os.kill(os.getpid(), signal.SIGKILL)
     start = time.monotonic()
     with pytest.raises(RuntimeError) as info:
-        for _ in range(100):
-            ringcomm.all_reduce(big, group=group)
+        ringcomm.all_reduce(big, group=group)
     return str(info.value), time.monotonic() - start
 
 

@@ -21,8 +21,8 @@ import ringcomm
 from harness import assert_no_new_shm, run_ranks, shm_entries
 from torch.distributed.distributed_c10d import AllgatherOptions
 
-from ringcomm.group import GroupOptions
-from ringcomm.process_group import ProcessGroupRingcomm
+from ringcomm.comm.group import GroupOptions
+from ringcomm.backend.process_group import ProcessGroupRingcomm
 
 TIMEOUT_S = 1.0
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier")

@@ -67,7 +67,12 @@ def misuse(rank, world_size):
         errors = []
         inside = threading.Thread(target=lambda: ringcomm.all_reduce(torch.ones(1 << 16), group=group), name="first")
         inside.start()
-        time.sleep(0.2)
+        # Until the flight recorder shows the first thread's call started (it
+        # waits inside for rank 1, which joins only after the barrier below).
+        deadline = time.monotonic() + 30
+        while not any(e["input_sizes"] == [[1 << 16]] and e["state"] == "started" for e in group.recorder.entries()):
+            assert time.monotonic() < deadline, "the first thread's all_reduce never started"
+            time.sleep(0.001)
         try:
             ringcomm.all_reduce(torch.ones(4), group=group)
         except RuntimeError as err:

@@ -2,6 +2,7 @@
 torch.distributed gloo on the same random data; auto's choice; a dead peer."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -119,6 +120,7 @@ def check_auto_choice(rank, world_size):
         os.environ["RINGCOMM_HOST"] = hosts[rank]
         group = ringcomm.new_group(timeout=30)
         assert group.transport.kind == kind, f"rank {rank} hosts {hosts}: {group!r}, expected {kind}"
+        assert group.placement.hosts == hosts, f"rank {rank}: the group's placement {group.placement}, hosts {hosts}"
         tensor = torch.full((11,), float(rank + 1))
         ringcomm.all_reduce(tensor, group=group)
         assert torch.all(tensor == 10), f"rank {rank} hosts {hosts}: {tensor}"
@@ -179,7 +181,7 @@ def test_dead_peer_between_levels_fails_every_rank():
 
 
 def test_placement_and_auto_choice_are_pure():
-    from ringcomm.transport.hierarchical import auto_transport, plan_placement
+    from ringcomm.transport.placement import auto_transport, plan_placement
 
     interleaved = plan_placement(INTERLEAVED)
     assert interleaved.ranks_on == ((0, 2), (1, 3)) and not interleaved.is_host_major()
@@ -249,3 +251,32 @@ def test_disagreements_raise_on_every_rank():
         seen = {m[case] for m in messages}
         assert len(seen) == 1, f"case {case} {every} {odd}: the ranks' errors differ: {seen}"
         assert seen.pop().startswith(f"{every['op']}: ranks disagree"), f"case {case}: {messages[0][case]}"
+
+
+@pytest.mark.parametrize("late_piece", [1, 3])  # the last piece (none left pending), an earlier one
+def test_a_timed_out_piece_is_done_with_its_buffers_when_the_call_fails(late_piece):
+    """A piece's cross-host step that outlasts its bound: the call fails, and the
+    cross thread is no longer in this call's pieces when it does (it would write
+    the scratch buffers the next call reuses): the pipeline waited, then aborted."""
+    import threading
+
+    from ringcomm.algorithms.pipeline import Pipeline, Stages
+
+    aborted, running, scratch = threading.Event(), set(), [None] * 4
+    def across(k: int) -> None:
+        running.add(k)
+        try:
+            if k == late_piece:
+                assert aborted.wait(10), "never aborted"  # a transfer that fails once the transport aborts
+                scratch[k] = "late write"
+                raise RuntimeError(f"piece {k}: aborted")
+        finally:
+            running.discard(k)
+
+    pipeline = Pipeline(0, lambda op, step, what: contextlib.nullcontext(), aborted.set, timeout_s=0.2)
+    stages = Stages("all_reduce", 2, "cross-host all-reduce", None, across, lambda k: None)
+    with pytest.raises(RuntimeError, match=f"of piece {late_piece} took over 0.1 s"):
+        pipeline.run(stages, 4, bound_s=0.1)
+    assert not running and aborted.is_set(), f"the cross thread still in piece(s) {running}; aborted: {aborted.is_set()}"
+    assert scratch[late_piece] == "late write", scratch  # it wrote before the call returned, not during the next
+    pipeline.shutdown()

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ringcomm.kernels import reduce_into
-from ringcomm.ops import ReduceOp
+from ringcomm.kernels.cpu import reduce_into
+from ringcomm.core.ops import ReduceOp
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64]
 SIZES = [0, 1, 3, 17, 1023, 1025, 4099]
@@ -198,7 +198,7 @@ def test_float32_to_16_bit_copy_keeps_inf_and_nan(dtype):
     With lr=0 and a zero gradient the master is unchanged and the copy is a pure
     cast, which must equal torch's fp32 -> 16-bit rounding, nan payloads included."""
     from ringcomm import _C
-    from ringcomm.ops import dtype_code
+    from ringcomm.core.ops import dtype_code
 
     largest, half_ulp = LARGEST[dtype], HALF_ULP_OF_LARGEST[dtype]
     nan_payloads = torch.tensor([0x7FFFFFFF, 0x7F800001, 0xFFC00000 - 2 ** 32, 0x7FC0FFFF], dtype=torch.int32)

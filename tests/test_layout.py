@@ -1,11 +1,11 @@
-"""Pure tests of ringcomm.layout: bucket plans, owner-aligned chunks, shards."""
+"""Pure tests of ringcomm.plan.layout: bucket plans, owner-aligned chunks, shards."""
 from __future__ import annotations
 
 import random
 
 import pytest
 
-from ringcomm.layout import plan_buckets
+from ringcomm.plan.layout import plan_buckets
 
 CASES = [
     [],
@@ -93,7 +93,7 @@ def test_custom_order_and_errors() -> None:
 
 @pytest.mark.parametrize("world_size", range(1, 9))
 def test_group_plans_cover_every_parameter_once(world_size: int) -> None:
-    from ringcomm.layout import Span, plan_groups, plan_module_buckets
+    from ringcomm.plan.layout import Span, plan_groups, plan_module_buckets
 
     numels = [0, 1, 7, 13, 1000, 3, 64, 5]  # awkward: empty, primes, bigger than a bucket
     stage3, modules, uses = plan_module_buckets([[0, 1], [2, 3, 4], [5], [6, 7]], numels, world_size=world_size,

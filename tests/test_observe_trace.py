@@ -1,7 +1,7 @@
 """The flight recorder and its analyzer ([Note: flight recorder]) on 3 ranks: a
 rank that skips a collective, a rank that is stopped, and ranks that call
 different collectives of equal byte counts are each named by
-`python -m ringcomm.trace DIR`; a signal dumps a rank stuck in a collective."""
+`python -m ringcomm.observe.trace DIR`; a signal dumps a rank stuck in a collective."""
 from __future__ import annotations
 
 import json
@@ -19,14 +19,14 @@ import torch.distributed as dist
 from harness import run_ranks
 
 import ringcomm
-from ringcomm import trace
+from ringcomm.observe import recorder, trace
 
 TIMEOUT_S = 3.0  # the group's: how long the waiting ranks wait before they fail and dump
 
 
 def analyzer_output(directory: str) -> str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run([sys.executable, "-m", "ringcomm.trace", directory], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "ringcomm.observe.trace", directory], capture_output=True, text=True,
                           timeout=60, env=env)
     assert done.returncode == 0, done.stderr
     return done.stdout
@@ -73,7 +73,7 @@ def stop_worker(rank: int, world_size: int, directory: str) -> dict:
         os.kill(os.getpid(), signal.SIGSTOP)
     seen: dict = {}
     if rank == 0:
-        threading.Thread(target=signal_while_waiting, args=(directory, seen), daemon=True).start()
+        threading.Thread(target=signal_while_waiting, args=(directory, seen, group.recorder), daemon=True).start()
     try:
         ringcomm.all_reduce(torch.ones(5), group=group)
     except RuntimeError as err:
@@ -83,9 +83,13 @@ def stop_worker(rank: int, world_size: int, directory: str) -> dict:
     return seen
 
 
-def signal_while_waiting(directory: str, seen: dict) -> None:
-    """SIGUSR1 to this process while its main thread waits in the collective."""
-    time.sleep(TIMEOUT_S / 3)
+def signal_while_waiting(directory: str, seen: dict, group: recorder.FlightRecorder) -> None:
+    """SIGUSR1 to this process while its main thread waits in the collective:
+    once the flight recorder shows that call (the second all_reduce) started."""
+    deadline = time.monotonic() + TIMEOUT_S / 2
+    while not any(e["collective_seq_id"] == 2 and e["state"] == "started" for e in group.entries()):
+        assert time.monotonic() < deadline, "the second all_reduce never started"
+        time.sleep(0.001)
     os.kill(os.getpid(), signal.SIGUSR1)
     path = os.path.join(directory, "ringcomm_trace_rank_0.json")
     deadline = time.monotonic() + TIMEOUT_S / 3
@@ -192,7 +196,7 @@ def two_runs(tmp_path_factory) -> dict:
 
 
 def analyzer(capsys, *args: str) -> tuple[int, str, str]:
-    """`python -m ringcomm.trace ARGS`, in this process: (exit status, stdout, stderr)."""
+    """`python -m ringcomm.observe.trace ARGS`, in this process: (exit status, stdout, stderr)."""
     status = trace.main(list(args))
     out, err = capsys.readouterr()
     return status, out, err
@@ -238,3 +242,40 @@ def test_damaged_dumps_are_named_and_the_others_analyzed(two_runs, tmp_path, cap
         assert f"left out {paths[rank]}: {reason}" in out, (rank, out)
     assert "3 files left out, the analysis below is of the other dumps" in out, out
     assert "dumps from ranks 0\n" in out and "rank 1: its file was left out" in out, out
+
+
+# ---- group ids across ranks: subgroups that some ranks never see ----
+def subgroups_worker(rank: int, world_size: int, directory: str) -> None:
+    """Two disjoint pairs that call different collectives, a pair across them, and
+    a backend subgroup per pair; every rank dumps its groups."""
+    pairs = [ringcomm.new_group([0, 1]), ringcomm.new_group([2, 3])]
+    pair = pairs[rank // 2]
+    if rank < 2:
+        ringcomm.all_reduce(torch.ones(4), group=pair)
+    else:
+        ringcomm.all_gather(torch.empty(8), torch.ones(4), group=pair)
+    across = ringcomm.new_group([0, 2])  # ranks 1 and 3 get None and make no Group
+    if across is not None:
+        ringcomm.all_reduce(torch.ones(3), group=across)
+    backend = [dist.new_group([0, 1], backend="ringcomm"), dist.new_group([2, 3], backend="ringcomm")][rank // 2]
+    dist.all_reduce(torch.ones(6), group=backend)
+    ringcomm.dump_trace(directory)
+    dist.barrier()  # every rank dumped before any group goes away
+    for group in (pair, across):
+        if group is not None:
+            group.close()
+
+
+def test_group_ids_name_the_same_group_on_every_rank(tmp_path) -> None:
+    run_ranks(subgroups_worker, 4, str(tmp_path), timeout=120)
+    reports = trace.analyze(trace.load(str(tmp_path)))
+    seen = sorted((tuple(r.global_ranks), tuple(sorted(r.last_completed)), tuple(r.missing), tuple(r.mismatches))
+                  for r in reports)
+    # Per pair: its ringcomm group (1 call) and its backend group (1 call); the cross pair once.
+    assert seen == [((0, 1), (0, 1), (), ()), ((0, 1), (0, 1), (), ()), ((0, 2), (0, 2), (), ()),
+                    ((2, 3), (2, 3), (), ()), ((2, 3), (2, 3), (), ())], "\n".join(map(str, reports))
+    os.remove(tmp_path / "ringcomm_trace_rank_3.json")  # rank 3 left no dump: only its groups miss it
+    reports = trace.analyze(trace.load(str(tmp_path)))
+    missing = sorted((tuple(r.global_ranks), tuple(r.missing)) for r in reports)
+    assert missing == [((0, 1), ()), ((0, 1), ()), ((0, 2), ()), ((2, 3), (3,)), ((2, 3), (3,))], \
+        "\n".join(map(str, reports))

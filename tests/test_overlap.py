@@ -168,9 +168,18 @@ def _accumulation_and_reuse(rank: int, group: ringcomm.Group) -> None:
             assert not scheduler._launches, f"rank {rank} step {step}: no_sync launched a collective"
             scheduler.finish()
         _backward(model, "mlp", rank, 1, torch.float32)
+        launches = list(scheduler._launches)
+        if step % 2 == 0:  # compute that outlasts the comm: busy until every bucket's collective has ended
+            spins, x = 0, torch.ones(64, 64)
+            while not all(launch.succeeded() for launch in launches) and spins < 10**6:
+                x = x @ x / 64
+                spins += 1
         report = scheduler.finish()
         assert scheduler.finish() is report, f"rank {rank}: finish() is not idempotent"
-        assert 0.0 <= report.hidden_fraction <= 1.0 and report.comm_s > 0, f"rank {rank}: {report}"
+        assert report.comm_s > 0 and report.num_overlapped == report.num_buckets == len(launches), \
+            f"rank {rank} step {step}: {report}"
+        if step % 2 == 0:  # every bucket ran during backward and the compute after it: none of it exposed
+            assert report.exposed_s == 0.0 and report.hidden_fraction == 1.0, f"rank {rank} step {step}: {report}"
         _compare(model, _ddp_grads("mlp", torch.float32, rank, 2, False), f"accumulate step {step}", rank)
         if step >= 1:
             assert all(p.grad is g for p, g in zip(model.parameters(), grads)), f"rank {rank} step {step}: new .grad"

@@ -1,6 +1,6 @@
 """A failed step of BucketScheduler (one bucket's collective fails, or backward
 raises) leaves it ready for the next: finish() raises the error once, and the
-next step reduces exactly its own gradients (ringcomm.overlap [Note: a failed
+next step reduces exactly its own gradients (ringcomm.buckets.overlap [Note: a failed
 step]). One process: the collectives of two ranks holding the same gradients
 are simulated on a worker thread, so the mean reduction is the gradient itself."""
 from __future__ import annotations
@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from ringcomm.buffer import GradBucket
-from ringcomm.layout import plan_buckets
-from ringcomm.overlap import OwnedBucketScheduler
-from ringcomm.work import Work
+from ringcomm.buckets.buffer import GradBucket
+from ringcomm.plan.layout import plan_buckets
+from ringcomm.buckets.overlap import OwnedBucketScheduler
+from ringcomm.comm.work import Work
 
 
 class Injected(RuntimeError):

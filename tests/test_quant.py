@@ -1,4 +1,4 @@
-"""The blockwise quantization kernels (ringcomm.quant, csrc/cpu/kernels/quant.cpp) against the plain-torch
+"""The blockwise quantization kernels (ringcomm.kernels.quant, csrc/cpu/kernels/quant.cpp) against the plain-torch
 reference of tests/quant_reference.py, bit for bit; the round-trip error bound; NaN and inf; the
 fused dequantize_sum; and every argument error."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import quant_reference as ref
 import torch
 
-from ringcomm import quant
+from ringcomm.kernels import quant
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 FORMATS = [(8, 1), (8, 7), (8, 64), (8, 4096), (4, 2), (4, 6), (4, 64), (4, 1024)]

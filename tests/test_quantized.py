@@ -1,4 +1,4 @@
-"""Quantized collectives (ringcomm.quantized) at world sizes 2-4 on every
+"""Quantized collectives (ringcomm.comm.quantized) at world sizes 2-4 on every
 transport (shm, torch_dist, hierarchical as simulated hosts), against
 dequantize(quantize(x)) reduced in float32 from every rank's data gathered
 through gloo; the kernels themselves are tested in test_quant.py."""
@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 import ringcomm
 from harness import run_ranks
-from ringcomm import ReduceOp, quant
+from ringcomm import ReduceOp
+from ringcomm.kernels import quant
 from test_collectives import SMALL_CMA, SMALL_TORCH_DIST
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

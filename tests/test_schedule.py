@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ringcomm import schedule
+from ringcomm.plan import schedule
 
 
 @pytest.mark.parametrize("world_size", range(1, 9))

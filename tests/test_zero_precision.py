@@ -1,10 +1,12 @@
 """The dynamic loss scaler's state survives a checkpoint: saved after a scale
-change, loaded into a fresh scaler, both go on exactly as DeepSpeed's rules say
-(the rules themselves: test_zero_pure.py::test_dynamic_loss_scaler_rules)."""
+change, loaded into a fresh scaler, both go on exactly as DeepSpeed's own
+DynamicLossScaler does from the same state (the rules in closed form:
+test_zero_pure.py::test_dynamic_loss_scaler_rules)."""
 from __future__ import annotations
 
 import io
 import random
+from unittest import mock
 
 import pytest
 import torch
@@ -14,32 +16,19 @@ from zero.runtime.precision import DynamicLossScaler, ScalerOptions
 OPTIONS = {"initial_scale_power": 10, "loss_scale_window": 4, "hysteresis": 3, "min_loss_scale": 2.0}
 
 
-class Expected:
-    """DeepSpeed's DynamicLossScaler.update_scale (runtime/fp16/loss_scaler.py),
-    written out as the rules read: the oracle for long random runs."""
+def deepspeed_scaler(options: ScalerOptions, state: dict):
+    """DeepSpeed's own DynamicLossScaler (runtime/fp16/loss_scaler.py), put in
+    `state`: the oracle, independent of zero's code. It logs overflows on
+    deepspeed.comm's rank 0, which needs no process group here."""
+    from deepspeed.runtime.fp16 import loss_scaler
 
-    def __init__(self, options: ScalerOptions, state: dict) -> None:
-        self.o = options
-        self.scale, self.budget = state["scale"], state["hysteresis_left"]
-        self.iteration, self.last_overflow = state["iteration"], state["last_overflow_iteration"]
-
-    def step(self, overflow: bool) -> float:
-        o = self.o
-        if overflow:
-            if o.hysteresis == 1 or self.budget == 1:
-                self.scale = max(self.scale / 2, o.min_loss_scale)
-            else:
-                self.budget -= 1
-            self.last_overflow = self.iteration
-        else:
-            if o.consecutive_hysteresis:
-                self.budget = o.hysteresis
-            if (self.iteration - self.last_overflow) % o.loss_scale_window == 0:
-                if not o.consecutive_hysteresis:
-                    self.budget = o.hysteresis
-                self.scale *= 2
-        self.iteration += 1
-        return self.scale
+    scaler = loss_scaler.DynamicLossScaler(init_scale=state["scale"], scale_window=options.loss_scale_window,
+                                           min_scale=options.min_loss_scale, delayed_shift=options.hysteresis,
+                                           consecutive_hysteresis=options.consecutive_hysteresis,
+                                           raise_error_at_min_scale=False)
+    scaler.cur_hysteresis, scaler.cur_iter = state["hysteresis_left"], state["iteration"]
+    scaler.last_overflow_iter = state["last_overflow_iteration"]
+    return scaler
 
 
 def run(scaler: DynamicLossScaler, pattern: str) -> list[float]:
@@ -73,27 +62,19 @@ def test_scaler_state_round_trip_past_a_scale_change(consecutive: bool) -> None:
                      "last_overflow_iteration": 2}, state
     fresh = DynamicLossScaler(options)
     fresh.load_state_dict(through_checkpoint(state))
-    # Next: an overflow (halves unless consecutive refilled the budget), 4 clean
-    # steps (the 4th doubles: the window counts from the last overflow), 12
-    # overflows down to the floor min_loss_scale=2, and clean steps back up.
-    tail = "x...." + "x" * 12 + "." * 9
-    after_overflow = 256 if not consecutive else 512  # consecutive: a clean step refilled the budget
-    grown = 2 * after_overflow
-    # Hysteresis 3 again after the growth: two overflows spent, then each one
-    # halves (no clean step between to refill), clamped at min_loss_scale.
-    floor_run = [grown, grown] + [max(grown / 2 ** k, 2.0) for k in range(1, 11)]
-    top = floor_run[-1]
-    expected_tail = [after_overflow] * 4 + [grown] + floor_run + [top] * 3 + [2 * top] * 4 + [4 * top] * 2
-    assert run(scaler, tail) == expected_tail, f"consecutive={consecutive}: the saved scaler"
-    assert run(fresh, tail) == expected_tail, f"consecutive={consecutive}: the loaded scaler"
-    # Then many more random updates: both scalers in step with each other and the rules.
-    oracle = Expected(options, scaler.state_dict())
+    # Then, from the saved state: runs of overflows down to the floor
+    # min_loss_scale=2, long clean runs back up (past several windows), and
+    # random updates; both scalers in step with each other and DeepSpeed's.
+    oracle = deepspeed_scaler(options, state)
     rng = random.Random(7)
-    pattern = "".join("x" if rng.random() < 0.2 else "." for _ in range(400))
-    for index, mark in enumerate(pattern):
-        want = oracle.step(mark == "x")
-        scaler.update(mark == "x")
-        fresh.update(mark == "x")
-        assert scaler.scale == fresh.scale == want, \
-            f"consecutive={consecutive}, update {index} ({mark}): saved {scaler.scale}, loaded {fresh.scale}, rules {want}"
-        assert scaler.state_dict() == fresh.state_dict(), f"consecutive={consecutive}, update {index}"
+    pattern = "x...." + "x" * 12 + "." * 13 + "".join("x" if rng.random() < 0.2 else "." for _ in range(400))
+    with mock.patch("deepspeed.comm.get_rank", lambda: 1):
+        for index, mark in enumerate(pattern):
+            oracle.update_scale(mark == "x")
+            assert scaler.update(mark == "x") == fresh.update(mark == "x") == (mark == "x"), \
+                f"consecutive={consecutive}, update {index} ({mark}): a step is skipped exactly on overflow"
+            assert scaler.scale == fresh.scale == oracle.cur_scale, \
+                f"consecutive={consecutive}, update {index} ({mark}): saved {scaler.scale}, loaded {fresh.scale}, " \
+                f"DeepSpeed {oracle.cur_scale}"
+            assert scaler.state_dict() == fresh.state_dict(), f"consecutive={consecutive}, update {index}"
+    assert min(run(DynamicLossScaler(options), "x" * 40)) == options.min_loss_scale  # the floor is reached

@@ -116,12 +116,13 @@ def run_scaler(pattern: str, **options) -> list[float]:
 def test_dynamic_loss_scaler_rules() -> None:
     base = dict(initial_scale_power=4, loss_scale_window=3, hysteresis=2, min_loss_scale=1.0)
     # x = overflow, . = clean. Hysteresis 2: the first overflow spends the budget,
-    # the second halves; 3 clean steps since the last overflow double and refill.
-    assert run_scaler("xx...x.x", **base) == [16, 8, 8, 8, 16, 16, 16, 8]
+    # the second halves; a clean step after 3 clean steps since the last overflow
+    # doubles and refills (as DeepSpeed 0.19's stable_interval).
+    assert run_scaler("xx....x.x", **base) == [16, 8, 8, 8, 8, 16, 16, 16, 8]
     # consecutive_hysteresis: a clean step refills the budget, so x.x never halves
-    assert run_scaler("xx...x.x", consecutive_hysteresis=True, **base) == [16, 8, 8, 8, 16, 16, 16, 16]
+    assert run_scaler("xx....x.x", consecutive_hysteresis=True, **base) == [16, 8, 8, 8, 8, 16, 16, 16, 16]
     assert run_scaler("xxxx", initial_scale_power=1, hysteresis=1, min_loss_scale=1.0) == [1, 1, 1, 1]
-    assert run_scaler("......", initial_scale_power=0, loss_scale_window=2, hysteresis=1) == [1, 2, 2, 4, 4, 8]
+    assert run_scaler("......", initial_scale_power=0, loss_scale_window=2, hysteresis=1) == [1, 1, 2, 2, 4, 4]
 
 
 def test_rebind_keeps_param_groups() -> None:

@@ -1,6 +1,6 @@
-"""zero/'s rooms import one way (a total order, lowest first, over every
-import, module-level or inside a function), their __init__.py import
-nothing eagerly, the package face is lazy (`python -m zero.estimate` runs
+"""zero/'s rooms (their order, lowest first, is test_house_rules.py's ROOMS,
+which checks that every import runs down it) import nothing eagerly in their
+__init__.py, the package face is lazy (`python -m zero.estimate` runs
 without ringcomm), and the files zero's text names exist."""
 from __future__ import annotations
 
@@ -11,59 +11,12 @@ import sys
 import textwrap
 from pathlib import Path
 
+from test_house_rules import ROOMS
+
 ROOT = Path(__file__).resolve().parents[1]
 ZERO = ROOT / "zero"
-# Lowest first: a room may import only from rooms before it. The package
-# face (zero/*.py) sits above them all and no room imports it.
-ROOM_ORDER = ("parsing", "optim", "checkpoint", "monitor", "sharding", "offload", "activation", "estimate", "runtime")
+ROOM_ORDER = ROOMS["zero"]
 DEEPSPEED_FILES = {"zero_to_fp32.py"}  # DeepSpeed's, named for comparison
-
-
-def module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def imports(path: Path) -> set[str]:
-    """Every zero module `path` imports, wherever the import statement is."""
-    name, out = module_name(path), set()
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom):
-            base = package.split(".")[: len(package.split(".")) - (node.level - 1)] if node.level else []
-            target = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module
-            if target and target.split(".")[0] == "zero":
-                out |= {f"{target}.{a.name}" if (ZERO.parent / f"{target}.{a.name}".replace(".", "/")).exists()
-                        or (ZERO.parent / (f"{target}.{a.name}".replace(".", "/") + ".py")).exists() else target
-                        for a in node.names}
-        elif isinstance(node, ast.Import):
-            out |= {a.name for a in node.names if a.name.split(".")[0] == "zero"}
-    return out
-
-
-def room_of(module: str) -> str | None:
-    parts = module.split(".")
-    return parts[1] if len(parts) > 1 and (ZERO / parts[1]).is_dir() else None
-
-
-def test_every_room_is_in_the_order() -> None:
-    rooms = {p.name for p in ZERO.iterdir() if (p / "__init__.py").exists()}
-    assert rooms == set(ROOM_ORDER), f"rooms {sorted(rooms)} != the order's {sorted(ROOM_ORDER)}"
-
-
-def test_room_imports_run_one_way() -> None:
-    wrong = []
-    for path in sorted(ZERO.rglob("*.py")):
-        src = room_of(module_name(path))
-        if src is None:  # the package face
-            continue
-        for target in imports(path):
-            dst = room_of(target)
-            if dst is None:
-                wrong.append(f"{module_name(path)} -> {target} (the package face)")
-            elif dst != src and ROOM_ORDER.index(dst) > ROOM_ORDER.index(src):
-                wrong.append(f"{module_name(path)} -> {target} ({src} is below {dst})")
-    assert not wrong, "imports from a lower room to a higher one:\n" + "\n".join(wrong)
 
 
 def test_rooms_import_nothing_eagerly() -> None:

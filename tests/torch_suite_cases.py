@@ -38,7 +38,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.testing._internal.distributed import distributed_test as suite  # noqa: E402
 
-from ringcomm.process_group import ProcessGroupRingcomm  # noqa: E402  (import ringcomm registers "ringcomm")
+from ringcomm.backend.process_group import ProcessGroupRingcomm
 
 suite.BACKEND = BACKEND_UNDER_TEST
 if os.environ.get("TORCH_SUITE_PROFILER_EVENTS") == "1":

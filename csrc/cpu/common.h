@@ -1,5 +1,5 @@
 // Shared vocabulary of the C++ side: dtype and reduction-op codes (they match
-// ringcomm/ops.py).
+// ringcomm/core/ops.py).
 #pragma once
 
 #include <cstdint>

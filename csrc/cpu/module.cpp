@@ -122,8 +122,8 @@ PYBIND11_MODULE(_C, m) {
       }, "the builds of the kernels in this library, those this CPU runs, and the baseline's -march ('' for the compiler's default)");
 
   m.def("process_state", [](int64_t pid) { return static_cast<int>(ringcomm::process_state(pid)); },
-        "what a process of this host does: an index of ringcomm.host.PROCESS_STATES", py::arg("pid"));
-  // Test-only: the chunk arithmetic of the shared-memory collectives, checked against ringcomm.schedule.
+        "what a process of this host does: an index of ringcomm.core.host.PROCESS_STATES", py::arg("pid"));
+  // Test-only: the chunk arithmetic of the shared-memory collectives, checked against ringcomm.plan.schedule.
   m.def("_balanced_chunk", [](int64_t numel, int parts, int index) {
         const ringcomm::Span span = ringcomm::balanced_chunk(numel, parts, index);
         return std::make_pair(span.begin, span.numel);

@@ -1,5 +1,5 @@
 // The hot entry points of ringcomm._C: collectives on torch tensors straight
-// from Python, for the lean path of ringcomm.collectives ([Note: lean path]).
+// from Python, for the lean path of ringcomm.comm.collectives ([Note: lean path]).
 //
 // [Note: lean calls] These are METH_FASTCALL functions, not pybind11 ones:
 // pybind11's dispatch and argument casting cost more than a whole 8-byte
@@ -10,7 +10,7 @@
 // invalid_argument -> ValueError; others -> RuntimeError).
 //
 // *_lean take raw pointers and sizes: the transport's calls, on tensors that
-// ringcomm.collectives has checked; *_keyed too, with a caller's key (CallKey
+// ringcomm.comm.collectives has checked; *_keyed too, with a caller's key (CallKey
 // in shm.h) that the ranks compare with the rest of the call. *_tensor(s) take the tensors themselves and
 // check them here, with torch's own Python attributes (no torch headers at
 // build time) but without the interpreter between them: 8-byte calls at 2 ranks
@@ -18,7 +18,7 @@
 // is left being torch's getters (~70 ns each). A tensor takes this path when it
 // is a torch.Tensor itself (no subclass), strided, on the CPU, contiguous, of a
 // ringcomm dtype, and a pair when its sizes match and the two do not overlap
-// other than in the exact in-place form (ringcomm.aliasing's rule). Otherwise
+// other than in the exact in-place form (ringcomm.comm.aliasing's rule). Otherwise
 // the call returns False having done nothing, and the caller takes its checked
 // path, which raises the errors; True means the collective ran.
 #include "module_lean.h"
@@ -34,7 +34,7 @@
 namespace ringcomm {
 namespace {
 
-// What the checks compare with, from lean_setup (ringcomm.collectives at import).
+// What the checks compare with, from lean_setup (ringcomm.comm.collectives at import).
 struct TorchApi {
   PyTypeObject* tensor_type = nullptr;
   PyObject* strided = nullptr;

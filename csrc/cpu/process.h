@@ -1,13 +1,13 @@
 // What a process on this host is doing: the one judgement of a peer's pid,
 // used by the shared-memory transport (shm_trust.cpp) and, through
-// ringcomm._C.process_state, by ringcomm/host.py.
+// ringcomm._C.process_state, by ringcomm/core/host.py.
 #pragma once
 
 #include <cstdint>
 
 namespace ringcomm {
 
-// The values are ringcomm.host.PROCESS_STATES' indices.
+// The values are ringcomm.core.host.PROCESS_STATES' indices.
 enum class ProcessState : int { kRunning = 0, kStopped = 1, kExited = 2 };
 
 // kExited: gone (ESRCH) or a zombie its parent has not reaped; kStopped:

@@ -1,5 +1,5 @@
 // Blockwise symmetric int8/int4 quantization (ZeRO++ qwZ/qgZ), the format of
-// [Note: quantized blocks] in ringcomm/quant.py.
+// [Note: quantized blocks] in ringcomm/kernels/quant.py.
 #pragma once
 
 #include <cstdint>

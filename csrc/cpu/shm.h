@@ -115,7 +115,7 @@ class P2pChannels;  // shm_p2p.h
 
 // One op in progress on a group, for the length of a public call: a second
 // thread that enters meanwhile gets a RuntimeError naming the thread inside
-// (its kernel thread id), as [Note: one caller thread] in ringcomm/group.py asks,
+// (its kernel thread id), as [Note: one caller thread] in ringcomm/comm/group.py asks,
 // and a call on a closed or aborted comm gets one saying so. close() waits
 // until no OpScope is left ([Note: close and abort] in shm_lifecycle.cpp).
 class OpScope {

@@ -1,5 +1,5 @@
 // Chunk and segment arithmetic of the shared-memory collectives (the C++
-// side of ringcomm/schedule.py).
+// side of ringcomm/plan/schedule.py).
 #pragma once
 
 #include <cstdint>
@@ -12,7 +12,7 @@ struct Span {
 };
 
 // Chunk `index` of `numel` elements split over `parts` (the first numel %
-// parts chunks get one more element); matches ringcomm.schedule.chunk_bounds.
+// parts chunks get one more element); matches ringcomm.plan.schedule.chunk_bounds.
 inline Span balanced_chunk(int64_t numel, int parts, int index) {
   const int64_t base = numel / parts, extra = numel % parts;
   return Span{index * base + (index < extra ? index : extra), base + (index < extra ? 1 : 0)};

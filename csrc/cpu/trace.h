@@ -1,4 +1,4 @@
-// The C++ part of the flight recorder (ringcomm/recorder.py, [Note: flight
+// The C++ part of the flight recorder (ringcomm/observe/recorder.py, [Note: flight
 // recorder]): the lean calls of one comm, recorded here because Python cannot
 // record them within their budget, and the comm's sequence numbers, which the
 // Python recorder draws from too so that both parts number one series.

@@ -1,5 +1,5 @@
 // CUDA blockwise quantization with the semantics of csrc/cpu/quant.cpp ([Note:
-// quantized blocks] in ringcomm/quant.py): one thread block per quantization
+// quantized blocks] in ringcomm/kernels/quant.py): one thread block per quantization
 // block (grid-stride over blocks), a shared-memory absmax reduction on the
 // |x| bit patterns (an integer max that keeps NaN and inf at the top), and
 // __fmul_rn/__fadd_rn so that no multiply-add is fused. The device part
@@ -16,7 +16,7 @@ namespace ringcomm_quant {
 typedef unsigned long long Ptr;
 enum DType { kFloat32 = 0, kBFloat16 = 2, kFloat16 = 3 };
 const int kThreads = 256;     // threads per block, a power of two (the tree reduction halves it)
-const int kMaxGrid = 65535;   // thread blocks per launch, as MAX_GRID in ringcomm/cuda_quant.py
+const int kMaxGrid = 65535;   // thread blocks per launch, as MAX_GRID in ringcomm/kernels/cuda_quant.py
 
 RC_HOST_DEVICE unsigned int float_bits(float v) { union { float f; unsigned int u; } x; x.f = v; return x.u; }
 RC_HOST_DEVICE float bits_float(unsigned int v) { union { unsigned int u; float f; } x; x.u = v; return x.f; }

@@ -19,7 +19,7 @@ namespace ringcomm_cuda {
 typedef unsigned long long Ptr;
 enum DType { kFloat32 = 0, kFloat64 = 1, kBFloat16 = 2, kFloat16 = 3, kInt32 = 4, kInt64 = 5 };
 enum RedOp { kSum = 0, kAvg = 1, kProduct = 2, kMin = 3, kMax = 4 };
-const int kMaxSources = 8;  // sources per launch; ringcomm/cuda_kernels.py chains longer lists
+const int kMaxSources = 8;  // sources per launch; ringcomm/kernels/cuda.py chains longer lists
 
 struct BFloat16 { unsigned short bits; };
 struct Half { unsigned short bits; };
@@ -246,7 +246,7 @@ extern "C" __global__ void ringcomm_cast(unsigned long long dst, int dst_dtype, 
 #include <cuda_runtime.h>
 
 namespace ringcomm_cuda {
-const int kThreads = 256;  // launch shape, as in ringcomm/cuda_kernels.py
+const int kThreads = 256;  // launch shape, as in ringcomm/kernels/cuda.py
 const int kMaxBlocks = 4096;
 
 inline unsigned int num_blocks(long long numel, int elements_per_thread) {

@@ -15,7 +15,7 @@ cross-host ring is seen by all ranks alike.
 A record is the transport's own view of the call (kind, dtype, op, root,
 numel: what it moves) followed by a CallKey, the call as its caller made it
 (all 0: none). A caller that moves something else under the transport's
-elements (ringcomm.quantized sends rows of int32 words) passes its CallKey,
+elements (ringcomm.comm.quantized sends rows of int32 words) passes its CallKey,
 so that calls which move as many bytes with another meaning (sizes in one
 padding bucket, other bits or block, another dtype or op) still differ, and
 the error names the caller's values, not the words.
@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..ops import DTYPE_CODES, DTYPE_CODES_BY_ID, OP_KINDS, ReduceOp
+from ..core.ops import DTYPE_CODES, DTYPE_CODES_BY_ID, OP_KINDS, ReduceOp
 
 KEY_LEN = 7  # ints in CallKey.values(); csrc/cpu/shm.h kCallKeyLen
 
@@ -51,7 +51,7 @@ class CallKey(NamedTuple):
 
     op: str
     numel: int
-    dtype: int = -1  # ringcomm.ops.DTYPE_CODES
+    dtype: int = -1  # ringcomm.core.ops.DTYPE_CODES
     redop: int = -1  # ReduceOp
     root: int = -1
     bits: int = -1

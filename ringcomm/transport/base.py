@@ -5,7 +5,7 @@ from typing import Protocol
 
 import torch
 
-from ..ops import ReduceOp
+from ..core.ops import ReduceOp
 from .agreement import CallKey
 
 
@@ -45,7 +45,7 @@ class PointToPoint(Protocol):
 class Transport(Protocol):
     """Moves and combines the bytes of one group's collectives.
 
-    Callers (ringcomm.collectives) have already checked the arguments: tensors
+    Callers (ringcomm.comm.collectives) have already checked the arguments: tensors
     are contiguous (of any shape: a transport reads them as flat), of one
     supported dtype, with consistent numels. What the ranks must agree on they
     compare in each call's agreement step ([Note: call agreement]); `key`, where

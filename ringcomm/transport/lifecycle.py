@@ -23,7 +23,7 @@ class CallGate:
     close(t) refuses new calls and waits up to t seconds for those in flight,
     then aborts them; abort() makes each fail at its next check (a transfer
     boundary: a blocked gloo send/recv cannot be interrupted, see [Note: torch_dist
-    abort] in torch_dist.py). `release` (given to close/abort) runs once no call
+    abort] in algorithms/flat_ring.py). `release` (given to close/abort) runs once no call
     is in flight: at once, or when the last one leaves.
     """
 

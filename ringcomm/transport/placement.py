@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ..host import usable_cores
+from ..core.host import usable_cores
 from . import rendezvous
 from .shm import ShmOptions
 

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
-from ..arguments import INT64_MAX, check_int, check_number, flag_from_env
-from ..host import usable_cores
-from ..ops import DTYPE_CODES_BY_ID, ReduceOp
+from ..core.arguments import INT64_MAX, check_int, check_number, flag_from_env
+from ..core.host import usable_cores
+from ..core.ops import DTYPE_CODES_BY_ID, ReduceOp
 from . import agreement, rendezvous
 from .agreement import CallKey
 from .shm_names import expiry_of, new_name, remove_stale_segments

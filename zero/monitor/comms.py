@@ -13,7 +13,7 @@ as DeepSpeed's engine calls them (all_reduce, reduce_scatter_tensor,
 all_gather_into_tensor, broadcast) with DeepSpeed's message size (the tensor
 argument: the input; for all_gather_into_tensor, this rank's chunk). Bandwidths
 are nccl-tests': algbw = the collective's whole buffer / latency, busbw = algbw x
-ringcomm.schedule.bus_factor; DeepSpeed multiplies reduce_scatter_tensor's whole
+ringcomm.plan.schedule.bus_factor; DeepSpeed multiplies reduce_scatter_tensor's whole
 input by world_size once more. The logger is one per process, as DeepSpeed's is
 (its API, zero.comm.log_summary(), names no object).
 """
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ringcomm.schedule import bus_factor
+from ringcomm.plan.schedule import bus_factor
 
 # How DeepSpeed sizes an op's whole buffer from its message size, and the ring op it is.
 _RING_OP = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "all_gather": "all_gather",

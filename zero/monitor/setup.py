@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from ringcomm import recorder
+from ringcomm.observe import recorder
 
 from ..checkpoint.barrier import failure, store_agree
 from .config import MonitoringConfig

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ringcomm import _C
-from ringcomm.ops import DTYPE_CODES, LOW_PRECISION
+from ringcomm.core.ops import DTYPE_CODES, LOW_PRECISION
 
 OUT_DTYPES = LOW_PRECISION  # the 16-bit parameter copies the fused step writes
 

@@ -58,7 +58,7 @@ def trainable_params(model: nn.Module) -> list[nn.Parameter]:
 
 def plan_layout(model: nn.Module, params: list[nn.Parameter], cfg: config_mod.EngineConfig,
                 world_size: int) -> tuple[BufferLayout, dict[nn.Module, tuple[int, ...]]]:
-    """The buckets (ringcomm.layout) and, for stage 3, the buckets each module
+    """The buckets (ringcomm.plan.layout) and, for stage 3, the buckets each module
     gathers around its use (persistent parameters stay whole in a resident bucket)."""
     numels = [zero_init.full_numel(p) for p in params]
     if not cfg.zero.policy.shard_params:
@@ -111,8 +111,10 @@ def use_zeropp(group: ParamGroup, comm, cfg: config_mod.EngineConfig) -> None:
         return  # a torch comm (maybe NCCL, a device per rank) asks no host names it does not need
     hosts: list[str] = [""] * comm.world_size
     dist.all_gather_object(hosts, host_name())
-    hierarchical = comm.kind == "ringcomm" and comm.group.transport.kind == "hierarchical"
-    comm.topology = Topology(comm.rank, tuple(hosts), hierarchical=hierarchical)
+    transport = comm.group.transport.kind if comm.kind == "ringcomm" else comm.kind
+    comm.topology = Topology(comm.rank, tuple(hosts), hierarchical=transport == "hierarchical",
+                             widens=transport == "torch_dist", whole_max_nbytes=(
+                                 comm.group.transport.whole_max_nbytes if transport == "hierarchical" else 0))
     if options == zeropp.ZeroPPOptions():
         return
     zeropp.check_placement(options, hosts, comm.kind, cfg.zero.offload_param_options.device)

@@ -45,9 +45,11 @@ class DynamicLossScaler(LossScaler):
 
     On overflow: the step is skipped; if the hysteresis budget is down to 1 the
     scale halves (never below min_loss_scale), else the budget drops by one.
-    Without overflow: after loss_scale_window steps since the last overflow the
-    scale doubles and the budget refills (with consecutive_hysteresis it also
-    refills on every clean step, so only consecutive overflows halve)."""
+    Without overflow: on a clean step that follows a multiple of
+    loss_scale_window clean steps since the last overflow (DeepSpeed's
+    stable_interval) the scale doubles and the budget refills (with
+    consecutive_hysteresis it also refills on every clean step, so only
+    consecutive overflows halve)."""
 
     dynamic = True
 
@@ -69,7 +71,8 @@ class DynamicLossScaler(LossScaler):
         else:
             if o.consecutive_hysteresis:
                 self.hysteresis_left = o.hysteresis
-            if (self.iteration - self.last_overflow_iteration) % o.loss_scale_window == 0:
+            stable = self.iteration - self.last_overflow_iteration - 1  # clean steps before this one
+            if stable > 0 and stable % o.loss_scale_window == 0:
                 if not o.consecutive_hysteresis:
                     self.hysteresis_left = o.hysteresis
                 self.scale *= 2.0

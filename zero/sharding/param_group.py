@@ -10,7 +10,7 @@ and the engine call: unshard / reshard (stage 3), reduce_grads, step.
     policy.shard_grads      reduce every micro-step from a transient bucket into
                             a chunk-sized accumulator (else accumulate whole
                             gradients locally and reduce at the boundary);
-                            ringcomm.overlap.OwnedBucketScheduler runs the gradient side.
+                            ringcomm.buckets.overlap.OwnedBucketScheduler runs the gradient side.
     policy.shard_params     buckets are not resident: only the chunk is kept and
                             gather.py unshards a bucket around its module's use.
 """
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ringcomm import BufferLayout, GradBucket, OwnedBucketScheduler
-from ringcomm.schedule import Span
+from ringcomm.plan.schedule import Span
 
 from ..checkpoint.format import NamedShard
 from ..optim import host_adam
@@ -110,7 +110,7 @@ def _fill_from_partitioned(members: list[nn.Parameter], layout: BufferLayout, sp
     chunk = span.local_chunk(rank)
     full = torch.zeros(span.numel, dtype=dtype, device=device) if span.resident else None
     shard = full[chunk.begin:chunk.end] if full is not None else torch.zeros(chunk.numel, dtype=dtype, device=device)
-    sent = comm.sent_nbytes  # set-up traffic is not a step's
+    counts = comm.take_wire()  # set-up traffic is not a step's
     for i, param in zip(span.param_indices, members):
         local = layout.local(i)
         if zero_init.is_partitioned(param):
@@ -128,7 +128,8 @@ def _fill_from_partitioned(members: list[nn.Parameter], layout: BufferLayout, sp
         begin, end = max(local.begin, chunk.begin), min(local.end, chunk.end)
         if begin < end:
             shard[begin - chunk.begin:end - chunk.begin].copy_(whole[begin - local.begin:end - local.begin])
-    comm.sent_nbytes = sent
+    comm.take_wire()
+    comm.restore_wire(counts)
     return full, shard
 
 
@@ -227,7 +228,7 @@ class ParamGroup:
                 try:
                     scaled_loss.backward()
                 except BaseException:
-                    self.scheduler.discard_step()  # ringcomm.overlap [Note: a failed step]
+                    self.scheduler.discard_step()  # ringcomm.buckets.overlap [Note: a failed step]
                     raise
                 self.scheduler.finish()
         finally:
@@ -368,7 +369,7 @@ class ParamGroup:
     def full_masters(self) -> list[torch.Tensor]:
         """Every parameter's whole fp32 master, in parameter-index order (collective;
         for checkpoints and tests, not counted as step traffic)."""
-        sent, out = self.comm.sent_nbytes, {}
+        counts, out = self.comm.take_wire(), {}
         for bucket in self.buckets:
             whole = bucket.master
             if self.policy.shard_optimizer:
@@ -376,7 +377,8 @@ class ParamGroup:
                 self.comm.all_gather(whole, bucket.master.contiguous()).wait()
             for index, span, shape in zip(bucket.indices, bucket.spans, bucket.shapes):
                 out[index] = whole[span.begin:span.end].detach().clone().view(shape)
-        self.comm.sent_nbytes = sent
+        self.comm.take_wire()
+        self.comm.restore_wire(counts)
         return [out[i] for i in sorted(out)]
 
 

@@ -1,6 +1,6 @@
 """Pure rules of ZeRO sharding, the stage table: what each stage shards
 (ShardingPolicy) and how many ring phases a step's traffic takes. The buckets
-themselves are planned by ringcomm.layout. Standard library only."""
+themselves are planned by ringcomm.plan.layout. Standard library only."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,7 +29,7 @@ class ShardingPolicy:
     @property
     def ring_phases(self) -> int:
         """Ring phases of one step's traffic ([Note: ring volume] in
-        ringcomm/schedule.py): the gradients' reduce-scatter and the
+        ringcomm/plan/schedule.py): the gradients' reduce-scatter and the
         parameters' all-gather (stage 0's all_reduce is both), the all-gather
         twice at stage 3 (for forward, and again for backward)."""
         return 3 if self.shard_params else 2

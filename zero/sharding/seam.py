@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 
 import ringcomm
-from ringcomm.ops import LOW_PRECISION
-from ringcomm.quantized import Rows
-from ringcomm.schedule import sent_numel
-from ringcomm.work import completed_future
+from ringcomm.core.ops import LOW_PRECISION
+from ringcomm.comm.quantized import Rows
+from ringcomm.plan.schedule import sent_numel
+from ringcomm.comm.work import completed_future
 
 from ..monitor import comms
 from .wire import Topology, WireReport
@@ -77,18 +77,27 @@ class Comm:
         self._add(sent_numel(kind, nbytes, self.world_size), kind, nbytes, all_to_all=all_to_all)
 
     def _add(self, sent: int, kind: str, nbytes: int, widened: bool = False, all_to_all: bool = False) -> None:
+        """`sent`: the plain ring volume, for a comm whose topology (and so its
+        transport's widening) is not known."""
         counter = self.counter or self
-        counter.sent_nbytes += sent
         if self.topology is not None:
             inside, across = self.topology.split(kind, nbytes, widened=widened, all_to_all=all_to_all)
             counter.inside_nbytes += inside
             counter.across_nbytes += across
+            sent = inside + across
+        counter.sent_nbytes += sent
 
     def take_wire(self) -> WireReport:
         """The bytes counted since the last call, by where they went ([Note: wire model]); restarts the count."""
         report = WireReport(self.sent_nbytes, self.inside_nbytes, self.across_nbytes)
         self.sent_nbytes = self.inside_nbytes = self.across_nbytes = 0
         return report
+
+    def restore_wire(self, report: WireReport) -> None:
+        """Sets the counts back to `report` (from take_wire()): the collectives
+        between the two calls (set-up, checkpoints) are not a step's traffic."""
+        self.sent_nbytes, self.inside_nbytes, self.across_nbytes = \
+            report.sent_nbytes, report.inside_host_nbytes, report.across_host_nbytes
 
     def _quantized_all_gather(self, output, input, async_op):
         raise ValueError("zero: quantized collectives need comm_backend 'ringcomm'")
@@ -278,5 +287,6 @@ def make_partition_comm(comm: Comm, size: int) -> Comm:
     sub.overlap, sub.counter = comm.overlap, comm
     if comm.topology is not None:
         first = comm.rank - comm.rank % size
-        sub.topology = Topology(comm.rank % size, comm.topology.hosts[first:first + size], hierarchical=False)
+        sub.topology = Topology(comm.rank % size, comm.topology.hosts[first:first + size], hierarchical=False,
+                                widens=isinstance(comm, RingComm) and mine.transport.kind == "torch_dist")
     return sub

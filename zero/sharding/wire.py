@@ -6,13 +6,22 @@ S is a collective's whole size in the bytes it moves (an all-gather's output,
 a reduce-scatter's input; a quantized one's rows), N = H hosts x L ranks.
     flat ring (torch_dist; shm on one host): (N-1)/N S to the right-hand
         neighbour (twice for all_reduce): across hosts if that neighbour is
-        on another host, else inside.
+        on another host, else inside. torch_dist's ring sends the partial
+        sums of 16-bit floats in float32 (ringcomm/algorithms/ring.py): its
+        reduce_scatter counts them twice, its all_reduce 2 + 1 times (the
+        all-gather phase moves 16 bits); shm stages them as they are.
     hierarchical all_gather: (H-1) S/N across, (L-1) H S/N inside;
         reduce_scatter the same, 16-bit floats counted twice (they cross in
-        float32); all_reduce 2 (H-1) S/N across, 2 (L-1)/L S inside.
+        float32); all_reduce 2 (H-1) S/N across (twice for 16-bit floats),
+        (L-1)/L S inside for the local all-gather and as much again for the
+        local reduce-scatter (twice for 16-bit floats); an all_reduce of up
+        to the transport's whole_max_nbytes is a local and a cross-host
+        all-reduce of all of it, 2 (L-1)/L S inside and 2 (H-1)/H S across
+        (twice for 16-bit floats).
+sent = inside + across.
     quantized reduce_scatter (all-to-alls): one level, S/N to each other rank
         (across for those on other hosts); two levels, as hierarchical
-        all_gather (ringcomm/quantized.py [Note: quantized reduce-scatter]).
+        all_gather (ringcomm/comm/quantized.py [Note: quantized reduce-scatter]).
 Small all_reduces (the gradient norm) take another route; they are a few bytes.
 """
 from __future__ import annotations
@@ -36,6 +45,8 @@ class Topology:
     rank: int
     hosts: tuple[str, ...]
     hierarchical: bool
+    widens: bool = False  # a flat ring that sends 16-bit partial sums in float32 (torch_dist's)
+    whole_max_nbytes: int = 0  # hierarchical: all_reduces up to this size skip the shards
 
     @property
     def num_hosts(self) -> int:
@@ -49,10 +60,13 @@ class Topology:
             across = sum(host != self.hosts[self.rank] for host in self.hosts) * per_rank
             return (n - 1) * per_rank - across, across
         if not self.hierarchical or h == 1:
-            sent = (n - 1) * per_rank * (2 if kind == "all_reduce" else 1)
+            w = 2 if widened and self.widens else 1
+            sent = (n - 1) * per_rank * (w + 1 if kind == "all_reduce" else w)
             right = self.hosts[(self.rank + 1) % n]
             return (sent, 0) if right == self.hosts[self.rank] else (0, sent)
         w = 2 if widened else 1
+        if kind == "all_reduce" and nbytes <= self.whole_max_nbytes:
+            return 2 * (local - 1) * (nbytes // local) * w, 2 * (h - 1) * (nbytes // h) * w
         if kind == "all_reduce":
-            return 2 * (local - 1) * (nbytes // local) * w, 2 * (h - 1) * per_rank * w
+            return (local - 1) * (nbytes // local) * (w + 1), 2 * (h - 1) * per_rank * w
         return (local - 1) * h * per_rank * w, (h - 1) * per_rank * w

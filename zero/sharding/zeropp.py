@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-import ringcomm.quant as quant
+import ringcomm.kernels.quant as quant
 
 KEYS = ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_hpz_partition_size",
         "zero_quantized_gradients")

@@ -1,4 +1,4 @@
-// Blockwise quantization kernels ([Note: quantized blocks] in ringcomm/quant.py).
+// Blockwise quantization kernels ([Note: quantized blocks] in ringcomm/kernels/quant.py).
 // A block's absmax is found on the raw bits: |x| as an unsigned pattern orders
 // as the floats do, and every NaN and inf lies at or above the infinity
 // pattern, so one integer max finds the absmax and the non-finite case at once

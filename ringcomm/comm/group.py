@@ -1,0 +1,402 @@
+"""Groups: a set of ranks, the transport that connects them, and the comm
+thread that runs their asynchronous collectives in launch order."""
+from __future__ import annotations
+
+import concurrent.futures
+import enum
+import itertools
+import os
+import re
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..algorithms.flat_ring import TorchDistOptions, open_torch_dist
+from ..algorithms.hierarchical import HierarchicalTransport
+from ..core import arguments, compat
+from ..core.ops import ReduceOp
+from ..observe import profiling, recorder as recorder_mod
+from ..transport import rendezvous
+from ..transport.base import Transport
+from ..transport.placement import Placement, auto_transport, exchange_hosts, plan_placement
+from ..transport.shm import ShmOptions, ShmTransport
+from .work import Work
+
+TRANSPORTS = ("auto", "shm", "torch_dist", "hierarchical")
+DEFAULT_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class GroupOptions:
+    transport: str = "auto"  # RINGCOMM_TRANSPORT in the environment overrides it
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    shm: ShmOptions = field(default_factory=ShmOptions)
+    torch_dist: TorchDistOptions = field(default_factory=TorchDistOptions)
+
+
+class GroupState(enum.Enum):
+    OPEN = "open"
+    CLOSED = "closed"
+    ABORTED = "aborted"
+
+
+class Group:
+    """Ranks 0..world_size-1 of a ringcomm group and how they talk.
+
+    [Note: one caller thread] A group's collectives must be issued in the same
+    order on every rank, so one thread at a time issues them (as with NCCL
+    communicators). A call from a second thread while the first one's calls are
+    still in flight (inline or queued on the comm thread) is refused with a
+    RuntimeError; handing a group from one thread to another between calls is
+    fine. Races that leave no call in flight on this rank cannot be seen here.
+    """
+
+    def __init__(self, transport: Transport, global_ranks: tuple[int, ...], placement: Placement, *,
+                 owned_pg: dist.ProcessGroup | None = None) -> None:
+        self.transport = transport
+        self.rank = transport.rank
+        self.world_size = transport.world_size
+        self.timeout_s = transport.timeout_s
+        self.global_ranks = global_ranks
+        self.placement = placement  # the host of each group rank, exchanged once at set-up
+        self._owned_pg = owned_pg  # shut down with the group
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._comm_thread: int | None = None  # its thread's ident, once it ran a call
+        self._last: concurrent.futures.Future | None = None
+        self._lock = threading.Lock()
+        self._state = GroupState.OPEN
+        self._caller: threading.Thread | None = None  # see [Note: one caller thread]
+        self._in_flight = 0
+        # The transport's handle for lean calls (collectives.py), or None while
+        # they must not run inline: the transport has none, work is queued on the
+        # comm thread, or the group is closed.
+        self.lean_handle = getattr(transport, "handle", None)
+        self._idle_handle = self.lean_handle
+        self.recorder = recorder_mod.for_group(self.rank, self.world_size, global_ranks, transport.kind,
+                                               self.timeout_s, self._idle_handle)
+        if self.recorder is not None and self.recorder.stacks:  # the lean path records no Python stack
+            self.lean_handle = self._idle_handle = None
+
+    def run(self, op: str, fn: Callable[[], None], async_op: bool, *, inputs: Sequence[torch.Tensor] = (),
+            outputs: Sequence[torch.Tensor] = (), redop: ReduceOp | None = None) -> Work | None:
+        """Runs a collective: inline when nothing is queued and the caller waits,
+        else on the group's comm thread after everything launched before it.
+        `inputs`, `outputs` and `redop` describe it to the flight recorder and
+        the profiler ([Note: flight recorder], [Note: profiler events])."""
+        inline = self._enter(op, async_op)
+        entry = self.recorder and self.recorder.record(op, inputs, outputs, redop, "started" if inline else "queued")
+        event = profiling.Event(op, inputs, seq=entry[recorder_mod.SEQ] if entry else 0, group_size=self.world_size) \
+            if profiling.active() else None
+        if inline:
+            try:
+                fn()
+            except Exception as err:
+                raise self.failed(entry, err) from None
+            finally:
+                self._leave()
+                if event is not None:
+                    event.end()
+            if entry is not None:
+                recorder_mod.completed(entry)
+            return None
+        work = self._submit(op, fn, entry, event)
+        if not async_op:
+            work.wait()
+            return None
+        return work
+
+    def _submit(self, op: str, fn: Callable[[], None], entry: list | None, event: profiling.Event | None) -> Work:
+        """Queues `fn` on the comm thread; its entry and event follow it there."""
+        timing: list[float] = []
+
+        def timed() -> None:
+            self._comm_thread = threading.get_ident()
+            timing.append(time.perf_counter())
+            if entry is not None:
+                recorder_mod.started(entry)
+            try:
+                if self._state is GroupState.ABORTED:
+                    raise RuntimeError(f"{op}: rank {self.rank}: aborted before it started ({self!r})")
+                fn()
+            except BaseException as err:
+                self.failed(entry, err)
+                raise
+            finally:
+                timing.append(time.perf_counter())
+                if event is not None:
+                    event.end()
+            if entry is not None:
+                recorder_mod.completed(entry)
+
+        with self._lock:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ringcomm-r{self.rank}")
+            future = self._executor.submit(timed)
+            self._last = future
+            self.lean_handle = None
+        future.add_done_callback(self._finished)
+        return Work(future, op, self.rank, timing)
+
+    def failed(self, entry: list | None, err: BaseException) -> BaseException:
+        """Marks `entry` failed, dumps the flight recorder; returns `err` (explained)."""
+        if isinstance(err, RuntimeError):
+            err = self.explain(err)
+        if entry is not None:
+            recorder_mod.failed(entry, err)
+        if self.recorder is not None:
+            recorder_mod.dump(f"failed on group rank {self.rank}: {str(err).splitlines()[0][:200]}")
+        return err
+
+    def explain(self, err: RuntimeError) -> RuntimeError:
+        """`err` with the kernel thread ids the transport names (its check of
+        [Note: one caller thread]) replaced by thread names."""
+        message = str(err)
+        if "thread id" not in message:
+            return err
+        names = {t.native_id: t.name for t in threading.enumerate()}
+        def name(match: re.Match) -> str:
+            return f"thread {names[int(match[1])]!r}" if int(match[1]) in names else match[0]
+
+        return RuntimeError(re.sub(r"thread id (\d+)", name, message))
+
+    def _enter(self, op: str, async_op: bool) -> bool:
+        """Checks that the group is open and not in use by another thread; counts
+        the call in flight. Returns whether it runs inline."""
+        caller = threading.current_thread()
+        with self._lock:
+            if self._state is not GroupState.OPEN:
+                raise RuntimeError(f"{op}: rank {self.rank}: the group is {self._state.value} ({self!r})")
+            if self._in_flight and self._caller is not caller:
+                raise RuntimeError(
+                    f"{op}: rank {self.rank}: called from thread {caller.name!r} while thread {self._caller.name!r} "
+                    f"has {self._in_flight} collective(s) in flight on {self!r}; a group's collectives must come from "
+                    f"one thread at a time, in the same order on every rank (use one group per thread)")
+            self._caller = caller
+            self._in_flight += 1
+            return not async_op and self._last is None
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+
+    def _finished(self, future: concurrent.futures.Future) -> None:
+        with self._lock:
+            self._in_flight -= 1
+            if self._last is future:
+                self._last = None
+                if self._state is GroupState.OPEN:
+                    self.lean_handle = self._idle_handle
+
+    def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Collective: a 1-D tensor that this group's collectives can use without
+        staging copies (shared memory on the shm transport; plain memory elsewhere)."""
+        result: list[torch.Tensor] = []
+        self.run("allocate", lambda: result.append(self.transport.allocate(numel, dtype)), async_op=False)
+        return result[0]
+
+    # [Note: group lifetime] close, abort and the default groups.
+    # close(t): new calls are refused ("closed"); the calls queued on the comm
+    #   thread and the one in flight inline may finish, for up to t seconds (the
+    #   group's timeout by default); what is left then is aborted. Then the
+    #   transport, the comm thread and any process group made for the group are
+    #   released. As ProcessGroup.shutdown.
+    # abort(): new calls are refused ("aborted"); the call in flight fails at once
+    #   (shm: at its next wait; torch_dist: at its next transfer, see [Note:
+    #   torch_dist abort]) and queued calls fail without starting, each Work with
+    #   a RuntimeError naming its op and "aborted". As ProcessGroup.abort.
+    # Both may come from any thread, at any moment, more than once; a running
+    # call keeps what it uses alive ([Note: close and abort] in shm_lifecycle.cpp).
+    # A peer waiting on a rank that closed or aborted fails at once, naming it.
+    def close(self, timeout_s: float | None = None) -> None:
+        """See [Note: group lifetime]. Idempotent; safe from any thread."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        executor, last = self._stop(GroupState.CLOSED)
+        on_comm_thread = threading.get_ident() == self._comm_thread  # from a Work's callback, say
+        if last is not None and not on_comm_thread:
+            concurrent.futures.wait([last], timeout=timeout_s)
+            if not last.done():
+                self._abort_transport()
+        if executor is not None:
+            executor.shutdown(wait=not on_comm_thread)
+        self.transport.close(max(deadline - time.monotonic(), 0.0))
+        self._release_pg()
+
+    def abort(self) -> None:
+        """See [Note: group lifetime]. Idempotent; safe from any thread."""
+        executor, _ = self._stop(GroupState.ABORTED)
+        self._abort_transport()
+        if executor is not None:
+            executor.shutdown(wait=False)  # the rest fails without starting; the thread then ends
+        self._release_pg()
+
+    @property
+    def state(self) -> GroupState:
+        return self._state
+
+    def _stop(self, state: GroupState) -> tuple[concurrent.futures.ThreadPoolExecutor | None,
+                                                 concurrent.futures.Future | None]:
+        """Refuses new calls; hands over the comm thread and its last call."""
+        with self._lock:
+            if self._state is GroupState.OPEN or state is GroupState.ABORTED:
+                self._state = state
+            self.lean_handle = self._idle_handle = None
+            executor, self._executor = self._executor, None
+            return executor, self._last
+
+    def _abort_transport(self) -> None:
+        with self._lock:
+            self._state = GroupState.ABORTED
+        self.transport.abort()
+
+    def _release_pg(self) -> None:
+        with self._lock:
+            pg, self._owned_pg = self._owned_pg, None
+        if pg is not None:
+            pg.shutdown()
+
+    def __repr__(self) -> str:
+        state = "" if self._state is GroupState.OPEN else f", {self._state.value}"
+        return (f"ringcomm.Group(rank={self.rank}, world_size={self.world_size}, "
+                f"transport={self.transport.kind}{state})")
+
+
+def create_group(store: dist.Store, rank: int, world_size: int, *, options: GroupOptions,
+                 global_ranks: tuple[int, ...] | None = None) -> Group:
+    """Collective over the group's ranks: builds the transport, rendezvousing through
+    `store` (a store private to this group). A torch_dist transport rides on a
+    gloo group made on `store`, owned (and shut down) by the group; a hierarchical
+    one owns its gloo group (see hierarchical.py)."""
+    recorder_mod.agree_run_id(store)  # [Note: run id]
+    placement = plan_placement(exchange_hosts(store, rank, world_size, options.timeout_s))
+    kind = resolve_transport(options.transport, placement)
+    pg, fallback = None, ""
+    if kind == "hierarchical":
+        fallback = placement.unsupported()
+    if kind == "shm":
+        transport: Transport = ShmTransport.create(dist.PrefixStore("shm/", store), rank, world_size, options.timeout_s,
+                                                   options.shm)
+    elif kind == "hierarchical" and not fallback:
+        transport = HierarchicalTransport.create(store, rank, placement, options.timeout_s, shm=options.shm,
+                                                 torch_dist=options.torch_dist)
+    else:  # torch_dist, or the flat ring where the placement rules hierarchical out (describe() says why)
+        transport, pg = open_torch_dist(store, rank, world_size, options.timeout_s, options.torch_dist,
+                                        fallback=fallback)
+    return Group(transport, global_ranks or tuple(range(world_size)), placement, owned_pg=pg)
+
+
+def resolve_transport(requested: str, placement: Placement) -> str:
+    """`RINGCOMM_TRANSPORT` wins over `requested`; "auto" compares the ranks' hosts
+    (RINGCOMM_HOST, else the host name): shm on one host, torch_dist when every
+    rank is on a host of its own, hierarchical otherwise."""
+    kind = os.environ.get("RINGCOMM_TRANSPORT", requested)
+    if kind not in TRANSPORTS:
+        raise ValueError(f"ringcomm: transport {kind!r} is not one of {TRANSPORTS} (RINGCOMM_TRANSPORT or transport=)")
+    if kind != "auto":
+        return kind
+    return auto_transport(placement.hosts)
+
+
+def new_group(ranks: list[int] | None = None, *, transport: str = "auto", timeout: float | timedelta = DEFAULT_TIMEOUT_S,
+              shm: ShmOptions | None = None, torch_dist: TorchDistOptions | None = None) -> Group | None:
+    """A ringcomm group over `ranks` (global ranks; default: all) of the
+    initialized default torch.distributed group. Like dist.new_group, every
+    rank must call it, in the same order, with the same `ranks`; ranks outside
+    `ranks` get None. `timeout` (seconds) bounds every wait of the group's
+    set-up and of each of its collectives."""
+    if not dist.is_initialized():
+        raise RuntimeError("ringcomm.new_group: call torch.distributed.init_process_group first")
+    timeout_s = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    if not 0 < timeout_s < float("inf"):  # every wait has a bound (and NaN is no bound)
+        raise ValueError(f"ringcomm.new_group: timeout={timeout_s} s must be a finite number > 0")
+    world_size = dist.get_world_size()
+    members = tuple(range(world_size)) if ranks is None else tuple(sorted(set(ranks)))
+    if not members or members[0] < 0 or members[-1] >= world_size or (ranks is not None and len(ranks) != len(members)):
+        raise ValueError(f"ringcomm.new_group: ranks={ranks} must be distinct ranks of the world "
+                         f"(world_size {world_size}) on rank {dist.get_rank()}")
+    index = next(_new_group_calls)
+    if dist.get_rank() not in members:
+        return None
+    options = GroupOptions(transport, timeout_s, shm or ShmOptions(), torch_dist or TorchDistOptions())
+    store = dist.PrefixStore(f"ringcomm/new_group/{index}/", compat.default_store())
+    rank = members.index(dist.get_rank())
+    _check_members(store, rank, members, timeout_s)
+    return create_group(store, rank, len(members), options=options, global_ranks=members)
+
+
+# The n-th new_group call of this process; every rank makes the same calls in
+# the same order (as with dist.new_group), so n names the same group everywhere.
+_new_group_calls = itertools.count()
+
+
+def _check_members(store: dist.Store, rank: int, members: tuple[int, ...], timeout_s: float) -> None:
+    """Every member must pass the same ranks: compare with the group's rank 0."""
+    if rank == 0:
+        store.set("members", repr(members))
+        return
+    what = f"ringcomm.new_group: global rank {members[rank]} waiting for global rank {members[0]} to create group {members}"
+    theirs = rendezvous.get(store, "members", timeout_s, what).decode()
+    if theirs != repr(members):
+        raise ValueError(f"ringcomm.new_group: global rank {members[rank]} called it with ranks {members}, global rank "
+                         f"{members[0]} with {theirs}: every rank must create the same groups in the same order")
+
+
+# [Note: default groups] The group that ringcomm's calls with group=None use
+# belongs to the torch.distributed world it was made for. It is closed when that
+# world's process group goes away (a weakref finalizer: destroy_process_group
+# drops torch's references to it), and it is never returned for another world,
+# even one whose object reuses the address (the key). A group closed by hand
+# detaches its finalizer, so a long-lived world holds no closed groups.
+_default_groups: dict[int, tuple[weakref.ref, Group, weakref.finalize]] = {}
+
+
+def default_group() -> Group:
+    """The ringcomm group over the whole default torch.distributed group, made on
+    first use (by the first collective every rank calls with group=None). Its
+    timeout is RINGCOMM_TIMEOUT (seconds) when set, else 300 s."""
+    if not dist.is_initialized():
+        raise RuntimeError("ringcomm: torch.distributed is not initialized; call init_process_group or pass group=")
+    world = dist.group.WORLD
+    key = id(world)
+    entry = _default_groups.get(key)
+    if entry is not None:
+        made_for, group, _ = entry
+        if made_for() is world and group.state is GroupState.OPEN:
+            return group
+        _close_default(key, group)  # made for a destroyed world, or closed by hand
+    group = new_group(timeout=arguments.seconds_from_env("RINGCOMM_TIMEOUT", DEFAULT_TIMEOUT_S))
+    _default_groups[key] = (weakref.ref(world), group, weakref.finalize(world, _close_default, key, group))
+    return group
+
+
+def _close_default(key: int, group: Group) -> None:
+    entry = _default_groups.get(key)
+    if entry is not None and entry[1] is group:
+        del _default_groups[key]
+        entry[2].detach()
+    group.close()
+
+
+def resolve_group(group: object, op: str) -> Group:
+    """`group` itself, or the default group for None; anything else is refused."""
+    if group is None:
+        return default_group()
+    if isinstance(group, Group):
+        return group
+    hint = ("; a torch.distributed group runs on ringcomm when made with backend='ringcomm' and used through "
+            "torch.distributed's own calls" if isinstance(group, dist.ProcessGroup) else "")
+    raise TypeError(f"{op}: group must be a ringcomm.Group (from ringcomm.new_group) or None, "
+                    f"got {type(group).__name__}{hint}")
+
+
+def destroy_default_group() -> None:
+    """Closes the default group now (see [Note: default groups]: destroying torch's
+    world closes it too); the next call with group=None makes a new one."""
+    for key, (_, group, _) in list(_default_groups.items()):
+        _close_default(key, group)

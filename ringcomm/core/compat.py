@@ -1,0 +1,57 @@
+"""The one place ringcomm (and zero) call torch's private APIs: each is named
+here once, so a torch release that moves one breaks one line. Every function
+is a plain forward; the comment says why no public API does the job."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.autograd import profiler as _autograd_profiler
+
+
+def profiler_enabled() -> bool:
+    """Whether torch.profiler records: one read of torch's flag (~8 ns; the
+    public C++ query costs ~50 ns, too much for the lean path's budget)."""
+    return _autograd_profiler._is_profiler_enabled
+
+
+def record_function(name: str, inputs: Sequence[torch.Tensor], kwargs: dict) -> object:
+    """A profiler event with input shapes and attributes (torch.profiler's
+    record_function takes neither); the caller enters and exits it."""
+    return torch._C._profiler._RecordFunctionFast(name, list(inputs), kwargs)
+
+
+def default_store() -> dist.Store:
+    """The default group's store: new_group's own store is not exposed."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def backend_registered(name: str) -> bool:
+    """Whether a third-party backend named `name` is registered (no public query)."""
+    return name.upper() in dist.Backend._plugins
+
+
+def register_device_backend(pg: dist.ProcessGroup, device: torch.device, backend: dist.ProcessGroup) -> None:
+    """Makes `backend` the one `pg` hands `device`'s calls to (as torch's own
+    groups are built: ProcessGroup._register_backend)."""
+    kind = dist.ProcessGroup.BackendType.NCCL if device.type == "cuda" else dist.ProcessGroup.BackendType.GLOO
+    pg._register_backend(device, kind, backend)
+
+
+def allgather_base(backend: dist.ProcessGroup, output: torch.Tensor, input: torch.Tensor, opts) -> dist.Work:
+    """all_gather_into_tensor on a process group object (torch's name for it)."""
+    return backend._allgather_base(output, input, opts)
+
+
+def reduce_scatter_base(backend: dist.ProcessGroup, output: torch.Tensor, input: torch.Tensor, opts) -> dist.Work:
+    """reduce_scatter_tensor on a process group object (torch's name for it)."""
+    return backend._reduce_scatter_base(output, input, opts)
+
+
+def nccl_options(timeout: timedelta) -> object:
+    """ProcessGroupNCCL options with a timeout (the attribute is private)."""
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return options
