@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from machine import cpu_line, write_json  # noqa: E402
-from zero.offload import host_adam  # noqa: E402
+from zero.optim import host_adam  # noqa: E402
 
 # bytes read + written per parameter: norm (read grad 4); a fused Adam pass (grad
 # 4, master/exp_avg/exp_avg_sq read and written 24); a separate unscale (8); a

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import zero_reference  # noqa: F401  (puts the repo root on sys.path)
-from zero.offload import host_adam
+from zero.optim import host_adam
 
 
 @pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW])

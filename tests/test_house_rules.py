@@ -16,7 +16,7 @@ SOURCES = sorted(p for d in ("ringcomm", "zero") for p in (ROOT / d).rglob("*.py
 # face: __init__.py, zero's DeepSpeed-named modules) sits above every room.
 ROOMS = {
     "ringcomm": ("plan", "core", "kernels", "observe", "transport", "algorithms", "comm", "buckets", "backend"),
-    "zero": ("runtime", "sharding", "offload", "checkpoint", "activation", "estimate", "monitor"),
+    "zero": ("parsing", "optim", "checkpoint", "monitor", "sharding", "offload", "activation", "estimate", "runtime"),
 }
 PACKAGES = tuple(ROOMS)  # lowest first too: zero is built on ringcomm
 EXTENSION = "ringcomm._C"  # the compiled module: below every room

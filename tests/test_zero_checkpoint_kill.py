@@ -14,6 +14,7 @@ from harness import run_ranks
 from test_zero_reshard import new_engine, train
 
 from zero.checkpoint import save
+from zero.checkpoint.parts import CheckpointOptions
 
 STAGE = 2
 # (phase at which rank 0 dies, fixed tag?) -> which checkpoint must load afterwards. Rank 1 dies at
@@ -28,9 +29,9 @@ CASES = {
 def kill_worker(rank: int, world_size: int, save_dir: str, phase: str, victims: tuple[int, ...], fixed: bool) -> str:
     """Saves after a step, writes the parameters at both saves next to the
     checkpoint, then saves again after another step and is killed at `phase`."""
-    save.BARRIER_TIMEOUT_S = 3.0  # a survivor stops waiting for a dead rank
     tag = "fixed" if fixed else None
     engine = new_engine(STAGE, world_size)
+    engine.checkpoint_options = CheckpointOptions(timeout_s=3.0)  # a survivor stops waiting for a dead rank
     train(engine, rank, world_size, range(1))
     engine.save_checkpoint(save_dir, tag)
     before = engine.full_params_fp32()
@@ -42,7 +43,7 @@ def kill_worker(rank: int, world_size: int, save_dir: str, phase: str, victims: 
     def hook(at: str, at_rank: int) -> None:
         if rank in victims and at in (phase, "waiting"):
             os.kill(os.getpid(), signal.SIGKILL)
-    save.phase_hook = hook
+    engine.checkpoint_options = CheckpointOptions(timeout_s=3.0, on_phase=hook)
     try:
         engine.save_checkpoint(save_dir, tag)
     except RuntimeError as error:  # a dead rank fails the barrier

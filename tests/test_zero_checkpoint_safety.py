@@ -28,6 +28,7 @@ from zero_reference import TinyTransformer, engine_config, make_model
 
 import zero
 from zero.checkpoint import save, to_deepspeed, to_fp32
+from zero.checkpoint.parts import CheckpointOptions
 from zero.checkpoint.format import ENGINE_STATE, MANIFEST, file_crc32
 from zero.checkpoint.tensorfile import SafetensorsReader
 
@@ -174,7 +175,6 @@ def expect_refusal(engine, rank: int, directory: str, words: list[str], case: st
 
 
 def load_worker(rank: int, world_size: int, root: str) -> None:
-    save.BARRIER_TIMEOUT_S = TIMEOUT_S
     for stage in (2, 3):
         good = os.path.join(root, f"stage{stage}")
         for case in FOREIGN:  # another model's checkpoint, saved by the same ranks
@@ -182,6 +182,7 @@ def load_worker(rank: int, world_size: int, root: str) -> None:
             foreign.save_checkpoint(os.path.join(root, f"stage{stage}-{case}"), TAG)
             foreign.destroy()
         engine = new_engine(stage, world_size)
+        engine.checkpoint_options = CheckpointOptions(timeout_s=TIMEOUT_S)
         train(engine, rank, world_size, range(2))
         engine.save_checkpoint(good)
         train(engine, rank, world_size, range(2, 3))  # the engine's state now differs from the checkpoint's
@@ -217,8 +218,8 @@ def full_disk(write_shards):
 
 
 def save_worker(rank: int, world_size: int, root: str) -> None:
-    save.BARRIER_TIMEOUT_S = TIMEOUT_S
     engine = new_engine(2, world_size)
+    engine.checkpoint_options = CheckpointOptions(timeout_s=TIMEOUT_S)
     train(engine, rank, world_size, range(1))
     save_dir = os.path.join(root, "save")
     engine.save_checkpoint(save_dir, "kept")

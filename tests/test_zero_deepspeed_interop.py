@@ -46,7 +46,8 @@ from test_zero_checkpoint_safety import TIMEOUT_S, Payload, expect_refusal, flip
 from test_zero_dropin import load_script
 
 import zero_reference  # noqa: F401  (puts the repo root on sys.path)
-from zero.checkpoint import deepspeed_optim, save
+from zero.checkpoint import deepspeed_optim
+from zero.checkpoint.parts import CheckpointOptions
 
 STAGES, SAVED, MORE = (1, 2, 3), 3, 3
 # fp32: both engines sum the same gradients in other orders: 1e-5 relative. bf16: their gradients
@@ -251,11 +252,11 @@ def damage_worker(rank: int, world_size: int, root: str) -> None:
     """zero on 2 ranks refuses each damaged copy of DeepSpeed's checkpoint
     alike on every rank, its state unchanged, then loads the good one."""
     script = start(rank, world_size, "zero")
-    save.BARRIER_TIMEOUT_S = TIMEOUT_S
     cases = [(TORCH, *case) for case in DAMAGE.items()] + [(FUSED, *case) for case in OPTIMIZER_DAMAGE.items()]
     for stage in (2, 3):
         good = path(os.path.join(root, "deepspeed"), stage)
         engine = new_engine(script, stage)
+        engine.checkpoint_options = CheckpointOptions(timeout_s=TIMEOUT_S)
         train(script, engine, rank, world_size, range(1))
         for optimizer, case, (damage, words) in cases:
             damaged, marker = os.path.join(root, f"damaged-{stage}-{case}"), os.path.join(root, f"ran-{stage}-{case}")

@@ -20,7 +20,7 @@ from test_zero_offload import new_engine, run_steps
 from zero_reference import MICRO, make_batch
 
 import zero
-from zero.checkpoint import save
+from zero.checkpoint.parts import CheckpointOptions
 
 
 def swap_fds() -> list[str]:
@@ -151,7 +151,7 @@ def barrier_worker(rank: int, world_size: int, root: str) -> None:
     def hook(phase: str, at_rank: int) -> None:
         if rank == 1 and phase == "written":
             raise Injected("rank 1 fails after writing its shards")
-    save.phase_hook, save.BARRIER_TIMEOUT_S = hook, 2.0
+    engine.checkpoint_options = CheckpointOptions(timeout_s=2.0, on_phase=hook)
     start = time.monotonic()
     try:
         if rank == 1:
@@ -165,7 +165,6 @@ def barrier_worker(rank: int, world_size: int, root: str) -> None:
         assert elapsed < 10.0, f"rank 0: the barrier failed after {elapsed:.1f} s, not within its 2 s timeout"
         store.set("test/rank0-done", "1")
     finally:
-        save.phase_hook, save.BARRIER_TIMEOUT_S = (lambda phase, rank: None), 600.0
         engine.destroy()
 
 

@@ -11,7 +11,7 @@ import torch
 
 import zero_reference  # noqa: F401  (puts the repo root on sys.path)
 from zero.runtime import config as cfg
-from zero.runtime.optim import scheduler_from_config
+from zero.optim.optimizers import scheduler_from_config
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                 reason="deepspeed not installed (test extra)")

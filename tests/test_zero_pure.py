@@ -127,7 +127,7 @@ def test_dynamic_loss_scaler_rules() -> None:
 
 def test_rebind_keeps_param_groups() -> None:
     import torch
-    from zero.runtime.optim import rebind
+    from zero.optim.optimizers import rebind
     a, b, c = (torch.nn.Parameter(torch.zeros(n)) for n in (4, 6, 3))
     opt = torch.optim.AdamW([{"params": [a, c], "weight_decay": 0.1}, {"params": [b], "weight_decay": 0.0}])
     flat = torch.zeros(13)
@@ -154,12 +154,12 @@ def test_offload_and_aio_sections() -> None:
                               "pipeline": True},
         "offload_param": {"device": "nvme", "nvme_path": "/y", "buffer_size": 4096, "max_in_cpu": 0}},
         "aio": {"block_size": 8192, "queue_depth": 4, "intra_op_parallelism": 2, "single_submit": True}}, FACTS)
-    assert parsed.zero.offload_optimizer == "nvme" and parsed.zero.offload_param == "nvme"
+    assert parsed.zero.offload_optimizer_options.device == "nvme" and parsed.zero.offload_param_options.device == "nvme"
     assert parsed.zero.offload_optimizer_options == cfg.OffloadOptions(
         device="nvme", nvme_path="/x", buffer_count=3, fast_init=True, pipeline_read=True, pipeline_write=True)
     assert parsed.zero.offload_param_options == cfg.OffloadOptions(
         device="nvme", nvme_path="/y", buffer_count=5, buffer_size=4096, max_in_cpu=0)
-    assert parsed.aio == cfg.AioOptions(block_size=8192, queue_depth=4, thread_count=2, single_submit=True)
+    assert parsed.aio == cfg.AioOptions(block_size=8192, thread_count=2)
 
 
 def test_keys_without_effect_warn_once_when_they_ask_for_something() -> None:
@@ -202,3 +202,46 @@ def test_progress_round_trips_to_an_accumulation_boundary() -> None:
         assert (resumed.global_steps, resumed.global_samples, resumed.skipped_steps) == (5, 40, 1)
         assert resumed.micro_steps == 5 * accumulation
     assert saved.state_dict() == {"global_steps": 5, "global_samples": 40, "micro_steps": 11, "skipped_steps": 1}
+
+
+def test_aio_queue_keys_warn_without_effect() -> None:
+    """aio.queue_depth, single_submit and overlap_events steer libaio's queue,
+    which zero's blocking pread/pwrite threads do not have: set otherwise than
+    DeepSpeed's defaults, they warn as every key without effect does."""
+    asking = {"aio": {"queue_depth": 32, "single_submit": True, "overlap_events": False, "thread_count": 2}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        parsed = cfg.parse(asking, FACTS)
+    said = sorted(str(w.message).split("=")[0].removeprefix("zero config: ") for w in caught
+                  if issubclass(w.category, NoEffectWarning))
+    assert said == ["aio.overlap_events", "aio.queue_depth", "aio.single_submit"], said
+    assert parsed.aio.thread_count == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg.parse({"aio": {"queue_depth": 8, "single_submit": False, "overlap_events": True}}, FACTS)
+    with pytest.raises(ValueError, match="aio.queue_depth"):
+        cfg.parse({"aio": {"queue_depth": 0}}, FACTS)  # still validated
+
+
+def test_offload_device_has_one_home() -> None:
+    """zero_optimization.offload_*.device lives in the offload options only."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(cfg.ZeroOptions)}
+    assert not names & {"offload_optimizer", "offload_param"}, sorted(names)
+    parsed = cfg.parse({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}, FACTS)
+    assert (parsed.zero.offload_optimizer_options.device, parsed.zero.offload_param_options.device) == ("cpu", "none")
+
+
+def test_activation_checkpointing_section_is_checked_whole_at_parse() -> None:
+    """One home: parse() refuses what configuring would refuse, and
+    zero.checkpointing.configure refuses it with the same message."""
+    from zero.activation import checkpointing
+
+    bad = {"activation_checkpointing": {"contiguous_memory_optimization": True, "number_checkpoints": 2}}
+    with pytest.raises(ValueError, match="needs partition_activations") as parsed:
+        cfg.parse(bad, FACTS)
+    with pytest.raises(ValueError, match="needs partition_activations") as configured:
+        checkpointing.configure(deepspeed_config=bad)
+    assert str(parsed.value) == str(configured.value)
+    checkpointing.reset()

@@ -198,7 +198,7 @@ def keywords_worker(rank: int, world_size: int, directory: str, params: dict) ->
     for keywords, steps, has_states in (({}, SAVED_STEPS, True), ({"load_optimizer_states": False}, SAVED_STEPS, False),
                                         ({"load_module_only": True}, 0, False)):
         engine = new_engine(2, world_size)
-        path, client = checkpoint_load.load(engine, save_dir, **keywords)
+        path, client = checkpoint_load.load(engine.checkpoint_parts(), save_dir, **keywords)
         assert path.endswith("global_step2") and client == {}, f"{keywords}: {path} {client}"
         assert engine.global_steps == steps, f"{keywords}: {engine.global_steps=}"
         states = [s for s in engine.optimizer.state.values() if s]
@@ -209,7 +209,7 @@ def keywords_worker(rank: int, world_size: int, directory: str, params: dict) ->
             assert torch.equal(value, torch.from_numpy(params[2][name])), f"{keywords}: {name}"
     engine = new_engine(2, world_size)
     with pytest.raises(ValueError, match="no checkpoint directory"):
-        checkpoint_load.load(engine, save_dir, "global_step9")
+        checkpoint_load.load(engine.checkpoint_parts(), save_dir, "global_step9")
 
 
 def test_load_keywords(saved) -> None:

@@ -1,15 +1,35 @@
-"""zero: a ZeRO engine (stages 0-3) on ringcomm with DeepSpeed's interface."""
+"""zero: a ZeRO engine (stages 0-3) on ringcomm with DeepSpeed's interface.
+
+The face is lazy: a public name imports its module on first use, so
+`python -m zero.estimate` (and zero.sharding.policy) need neither ringcomm
+nor its compiled extension."""
 from __future__ import annotations
 
 import argparse
+import importlib
 
-from . import checkpointing, comm, estimate, zero
-from .comm import init_distributed
-from .runtime.build import build_engine
-from .runtime.config import EngineConfig, parse
-from .runtime.engine import ZeroEngine
-from .sharding.init import GatheredParameters, Init
-from .sharding.policy import ShardingPolicy
+_LAZY = {  # public name -> (module, attribute or None for the module itself)
+    "checkpointing": ("zero.checkpointing", None), "comm": ("zero.comm", None), "estimate": ("zero.estimate", None),
+    "zero": ("zero.zero", None), "init_distributed": ("zero.comm", "init_distributed"),
+    "EngineConfig": ("zero.runtime.config", "EngineConfig"), "parse": ("zero.runtime.config", "parse"),
+    "ZeroEngine": ("zero.runtime.engine", "ZeroEngine"), "Init": ("zero.sharding.init", "Init"),
+    "GatheredParameters": ("zero.sharding.init", "GatheredParameters"),
+    "ShardingPolicy": ("zero.sharding.policy", "ShardingPolicy"),
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'zero' has no attribute {name!r}")
+    module_name, attr = _LAZY[name]
+    module = importlib.import_module(module_name)
+    value = module if attr is None else getattr(module, attr)
+    globals()[name] = value  # once: later lookups do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
@@ -33,6 +53,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise ValueError("zero.initialize: mpu (model parallelism) is not supported")
     if config is None:
         config = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    from .comm import init_distributed
+    from .runtime.build import build_engine
+
+    init_distributed()
     engine = build_engine(model, optimizer, model_parameters, lr_scheduler, config, comm_backend, args)
     return engine, engine.optimizer, None, engine.lr_scheduler
 

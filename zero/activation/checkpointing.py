@@ -34,23 +34,16 @@ import logging
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ..runtime import config as config_mod
+from ..parsing.values import load
+from .config import Options, parse
 from .stats import ActivationStats, forget, storage_nbytes
-from .store import ActivationStore, Held, StoreOptions, partition_comm
+from .store import ActivationStore, Held, partition_comm
 
 log = logging.getLogger("zero")
-
-
-@dataclass(frozen=True, slots=True)
-class Options:
-    store: StoreOptions = StoreOptions()
-    synchronize: bool = False  # synchronize_checkpoint_boundary
-    profile: bool = False
 
 
 class ActivationCheckpointing:
@@ -260,39 +253,25 @@ def configure(mpu_: object | None = None, deepspeed_config: str | dict | None = 
     partition_activations splits across (store.py's Note)."""
     section = {}
     if deepspeed_config is not None:
-        section = config_mod.load(deepspeed_config).get("activation_checkpointing") or {}
+        section = load(deepspeed_config).get("activation_checkpointing") or {}
     overrides = {"partition_activations": partition_activations, "contiguous_memory_optimization":
                  contiguous_checkpointing, "number_checkpoints": num_checkpoints,
                  "cpu_checkpointing": checkpoint_in_cpu, "synchronize_checkpoint_boundary": synchronize,
                  "profile": profile}
     section = {**section, **{k: v for k, v in overrides.items() if v is not None}}
-    current().configure(options_from(config_mod.activation_checkpointing(section)), mpu_)
+    current().configure(parse(section), mpu_)
 
 
-def for_engine(section: dict | None) -> ActivationCheckpointing | None:
-    """An engine's own checkpointing from its config's parsed
-    activation_checkpointing section, made current; None without a section
-    (the engine then uses whichever is current)."""
+def for_engine(options: Options | None) -> ActivationCheckpointing | None:
+    """An engine's own checkpointing from its config's activation_checkpointing
+    section (config.py), made current; None without a section (the engine then
+    uses whichever is current)."""
     global _current
-    if section is None:
+    if options is None:
         return None
     _current = ActivationCheckpointing()
-    _current.configure(options_from(section), None)
+    _current.configure(options, None)
     return _current
-
-
-def options_from(section: dict) -> Options:
-    contiguous = section.get("contiguous_memory_optimization", False)
-    slots = section.get("number_checkpoints")
-    if contiguous and not section.get("partition_activations", False):
-        raise ValueError("activation_checkpointing.contiguous_memory_optimization needs partition_activations "
-                         "(as in DeepSpeed)")
-    if contiguous and slots is None:
-        raise ValueError("activation_checkpointing.contiguous_memory_optimization needs number_checkpoints")
-    store = StoreOptions(partition=section.get("partition_activations", False),
-                         cpu=section.get("cpu_checkpointing", False), contiguous=contiguous,
-                         num_slots=None if slots is None else int(slots))
-    return Options(store, section.get("synchronize_checkpoint_boundary", False), section.get("profile", False))
 
 
 def is_configured() -> bool:

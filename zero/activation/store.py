@@ -16,14 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..sharding.seam import Comm, Handle, make_comm
-
-
-@dataclass(frozen=True, slots=True)
-class StoreOptions:
-    partition: bool = False  # partition_activations
-    cpu: bool = False  # cpu_checkpointing
-    contiguous: bool = False  # contiguous_memory_optimization
-    num_slots: int | None = None  # number_checkpoints
+from .config import StoreOptions
 
 
 class GroupComm(Comm):

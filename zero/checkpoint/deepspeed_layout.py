@@ -39,11 +39,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..runtime.config import ZeroOptions
 from .format import load_plain
 
 DS_VERSION = "0.19.8"  # the DeepSpeed whose layout this follows (checked in tests/test_zero_deepspeed_interop.py)
-SUB_GROUP_SIZE = ZeroOptions().sub_group_size  # zero_optimization.sub_group_size by default (DeepSpeed's too)
+SUB_GROUP_SIZE = 1_000_000_000  # zero_optimization.sub_group_size's default, DeepSpeed's and zero's
 
 
 def model_states_name(stage: int, rank: int = 0) -> str:

@@ -9,8 +9,9 @@ that all of them did, and only then does any rank change its state.
                  read every master slice and optimizer state this rank updates
                  into new tensors, each saved tensor's crc32 checked first
     agree        (barrier.py: a deadline; carries each rank's error)
-    every rank   apply(): copy the staged values in, hand the optimizer its
-                 states, scheduler, scaler, counters; publish the masters
+    every rank   apply(): each stateful part (parts.py) loads its staged
+                 state: buffers, scaler, scheduler, counters, then the
+                 shards (masters, optimizer states), which publish the masters
 If any rank failed to stage, every rank raises the same ValueError naming
 each failing rank's file and tensor or parameter, and no rank changed
 anything. Staging holds one extra copy of this rank's masters and states.
@@ -41,13 +42,12 @@ from dataclasses import dataclass
 
 import torch
 
-from . import save
 from .barrier import store_agree
 from .deepspeed_files import DeepSpeedShards, is_deepspeed
 from .deepspeed_optim import check_resumes
 from .format import (ENGINE_STATE, MANIFEST, MODEL_STATES, SavedShards, check_file, load_plain, read_engine_state,
                      read_manifest, resolve)
-from .save import master_slices, param_shapes
+from .parts import CheckpointOptions, CheckpointParts
 
 log = logging.getLogger("zero")
 
@@ -74,9 +74,9 @@ class Staged:
     scaler: bool  # restore the loss scaler
 
 
-def load(engine, load_dir: str, tag: str | None = None, *, load_module_strict: bool = True,
+def load(parts: CheckpointParts, load_dir: str, tag: str | None = None, *, load_module_strict: bool = True,
          load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-         load_module_only: bool = False) -> tuple[str, dict]:
+         load_module_only: bool = False, options: CheckpointOptions = CheckpointOptions()) -> tuple[str, dict]:
     """Collective: restores a checkpoint saved on any world size and stage,
     all or nothing ([Note: validate, agree, apply]); returns (path,
     client_state) like DeepSpeed. load_optimizer_states=False leaves the
@@ -84,23 +84,23 @@ def load(engine, load_dir: str, tag: str | None = None, *, load_module_strict: b
     load_module_only restores the parameters only. The fp32 masters always
     come from the checkpoint (DeepSpeed rebuilds them from the 16-bit weights
     without the optimizer states); load_module_strict checks the parameter names."""
-    options = LoadOptions(load_module_strict, load_optimizer_states and not load_module_only,
-                          load_lr_scheduler_states, load_module_only)
+    load_options = LoadOptions(load_module_strict, load_optimizer_states and not load_module_only,
+                               load_lr_scheduler_states, load_module_only)
     staged, message, error = None, None, None
     try:
-        staged = stage(engine, load_dir, tag, options)
+        staged = stage(parts, load_dir, tag, load_options)
     except Exception as caught:  # every failure to read or check, agreed on below
         message, error = f"{type(caught).__name__}: {caught}", caught
-    failures = store_agree(f"load_checkpoint {load_dir}", save.BARRIER_TIMEOUT_S, message)
+    failures = store_agree(f"load_checkpoint {load_dir}", options.timeout_s, message)
     if failures:
         raise ValueError(f"load_checkpoint {load_dir} (tag {tag}): nothing was loaded on any rank; "
                          + "; ".join(f"rank {r}: {m}" for r, m in failures)) from error
-    apply(engine, staged, options)
+    apply(parts, staged, load_options)
     return staged.directory, staged.state["client_state"]
 
 
 # ---- stage: read and check, change nothing ---------------------------------------------------------
-def stage(engine, load_dir: str, tag: str | None, options: LoadOptions) -> Staged:
+def stage(parts: CheckpointParts, load_dir: str, tag: str | None, options: LoadOptions) -> Staged:
     """zero's own checkpoint, or DeepSpeed's (deepspeed_files.py), read and checked."""
     directory = resolve(load_dir, tag)
     if not os.path.isfile(os.path.join(directory, MANIFEST)) and is_deepspeed(directory):
@@ -118,26 +118,27 @@ def stage(engine, load_dir: str, tag: str | None, options: LoadOptions) -> Stage
             path = check_file(directory, manifest, MODEL_STATES, crc=True)
             return path, load_plain(path, mmap=True)
     try:
-        check_engine(engine, where, directory, state, options)
-        masters, optimizer = stage_shards(engine, saved, options)
-        extras = stage_extras(engine, module_states, strict=options.strict)
+        check_engine(parts, where, directory, state, options)
+        masters, optimizer = stage_shards(parts, saved, options)
+        extras = stage_extras(parts, module_states, strict=options.strict)
     finally:
         saved.close()
-    return Staged(directory, state, masters, optimizer, extras, scaler=restores_scaler(engine, state, options))
+    return Staged(directory, state, masters, optimizer, extras, scaler=restores_scaler(parts, state, options))
 
 
-def check_engine(engine, where: str, directory: str, state: dict, options: LoadOptions) -> None:
+def check_engine(parts: CheckpointParts, where: str, directory: str, state: dict, options: LoadOptions) -> None:
     """Parameter names and shapes, optimizer groups, scheduler kind, batch layout."""
-    if options.optimizer_states and len(state["param_groups"]) != len(engine.optimizer.param_groups):
+    optimizer = parts.optimizer
+    if options.optimizer_states and len(state["param_groups"]) != len(optimizer.param_groups):
         raise ValueError(f"{where}: {len(state['param_groups'])} optimizer param groups, this engine "
-                         f"{len(engine.optimizer.param_groups)}")
+                         f"{len(optimizer.param_groups)}")
     if options.optimizer_states:
-        check_hyperparameters(engine.optimizer, where, state["param_groups"])
+        check_hyperparameters(optimizer, where, state["param_groups"])
         if state.get("optimizer"):  # DeepSpeed's: the optimizer that saved it (deepspeed_optim.py)
-            check_resumes(engine.optimizer, state["optimizer"]["name"], set(state["optimizer"]["kinds"]), where)
-    check_params(engine, where, state["params"], strict=options.strict)
-    scheduler = engine.lr_scheduler
-    if restores_scheduler(engine, state, options):
+            check_resumes(optimizer, state["optimizer"]["name"], set(state["optimizer"]["kinds"]), where)
+    check_params(parts, where, state["params"], strict=options.strict)
+    scheduler = parts.scheduler
+    if restores_scheduler(parts, state, options):
         saved, own = set(state["scheduler"]), set(scheduler.state_dict())
         if saved != own:
             raise ValueError(f"{where}: the saved LR scheduler's state has keys {sorted(saved)}, this engine's "
@@ -174,9 +175,9 @@ def same_kind(own: object, saved: object) -> bool:
     return type(saved) is type(own)
 
 
-def check_params(engine, where: str, saved: dict[str, tuple[int, ...]], *, strict: bool) -> None:
+def check_params(parts: CheckpointParts, where: str, saved: dict[str, tuple[int, ...]], *, strict: bool) -> None:
     """The saved trainable parameters match the engine's by shape, and (strict) by name."""
-    shapes = param_shapes(engine)
+    shapes = parts.param_shapes()
     wrong = [(name, tuple(saved[name]), shape) for name, shape in shapes.items()
              if name in saved and tuple(saved[name]) != shape]
     if wrong:
@@ -196,10 +197,10 @@ def warn_mid_accumulation(directory: str, state: dict) -> None:
                     f"resumes at the boundary after global step {counters['global_steps']}")
 
 
-def stage_shards(engine, saved: SavedShards, options: LoadOptions) -> tuple[dict, dict]:
+def stage_shards(parts: CheckpointParts, saved: SavedShards, options: LoadOptions) -> tuple[dict, dict]:
     """This rank's master slices (and optimizer states) read into new tensors."""
     masters, optimizer = {}, {}
-    for shard, _ in master_slices(engine):  # names and ranges only: the views are not touched here
+    for shard in parts.shards.state_dict().values():  # names and ranges only: the views are not touched here
         if shard.name not in saved.by_name:  # not saved, and load_module_strict is off
             continue
         out = torch.empty(shard.numel, dtype=torch.float32)
@@ -211,12 +212,12 @@ def stage_shards(engine, saved: SavedShards, options: LoadOptions) -> tuple[dict
     return masters, optimizer
 
 
-def stage_extras(engine, module_states: Callable[[], tuple[str, dict]], *, strict: bool) -> dict[str, torch.Tensor]:
+def stage_extras(parts: CheckpointParts, module_states: Callable[[], tuple[str, dict]], *, strict: bool) -> dict[str, torch.Tensor]:
     """Buffers and frozen parameters (not in any bucket) from the saved module states, checked."""
-    trainable = set(engine.parts.param_names)
-    trainable_ids = {id(p) for p in engine.parts.trainable}
-    tied = {name for name, p in engine.module.named_parameters(remove_duplicate=False) if id(p) in trainable_ids}
-    extras = {k: v for k, v in engine.module.state_dict().items() if k not in trainable and k not in tied}
+    trainable = set(parts.param_names)
+    trainable_ids = {id(p) for p in parts.trainable}
+    tied = {name for name, p in parts.module.named_parameters(remove_duplicate=False) if id(p) in trainable_ids}
+    extras = {k: v for k, v in parts.module.state_dict().items() if k not in trainable and k not in tied}
     if not extras:
         return {}
     path, saved = module_states()
@@ -237,17 +238,17 @@ def stage_extras(engine, module_states: Callable[[], tuple[str, dict]], *, stric
     return out
 
 
-def restores_scheduler(engine, state: dict, options: LoadOptions) -> bool:
+def restores_scheduler(parts: CheckpointParts, state: dict, options: LoadOptions) -> bool:
     return (options.scheduler and not options.module_only and state["scheduler"] is not None
-            and engine.lr_scheduler is not None and hasattr(engine.lr_scheduler, "load_state_dict"))
+            and parts.scheduler is not None and hasattr(parts.scheduler, "load_state_dict"))
 
 
-def restores_scaler(engine, state: dict, options: LoadOptions) -> bool:
+def restores_scaler(parts: CheckpointParts, state: dict, options: LoadOptions) -> bool:
     """[Note: what a resume restores]: only into the precision and kind of scaler it was saved from."""
     if not options.optimizer_states:
         return False
-    dtype = str(engine.parts.dtype).removeprefix("torch.")
-    own = engine.parts.scaler.state_dict()
+    dtype = str(parts.dtype).removeprefix("torch.")
+    own = parts.scaler.state_dict()
     if state["dtype"] != dtype or set(state["scaler"]) != set(own):
         log.warning(f"zero: load_checkpoint: the checkpoint's loss scaler ({state['dtype']}, {state['scaler']}) "
                     f"is not this engine's kind ({dtype}, {own}): the engine keeps its own")
@@ -256,38 +257,21 @@ def restores_scaler(engine, state: dict, options: LoadOptions) -> bool:
 
 
 # ---- apply: nothing here reads a file -----------------------------------------------------------
-def apply(engine, staged: Staged, options: LoadOptions) -> None:
+def apply(parts: CheckpointParts, staged: Staged, options: LoadOptions) -> None:
+    """Each stateful part loads its own state; the shards last (they publish the masters)."""
     state = staged.state
-    with torch.no_grad(), engine.parts.group.offloaded_states():  # written back where they are offloaded on exit
-        states = {}
-        for shard, view in master_slices(engine):
-            if shard.key in staged.masters:
-                view.copy_(staged.masters[shard.key])
-                if shard.key in staged.optimizer:
-                    states[view] = staged.optimizer[shard.key]
-        if options.optimizer_states:
-            load_optimizer_state(engine.optimizer, states)
     with torch.no_grad():
-        module_state = engine.module.state_dict()
+        module_state = parts.module.state_dict()
         for key, value in staged.extras.items():
             module_state[key].copy_(value)
     if options.optimizer_states:
-        for group, hyper in zip(engine.optimizer.param_groups, state["param_groups"]):
+        for group, hyper in zip(parts.optimizer.param_groups, state["param_groups"]):
             group.update({key: value for key, value in hyper.items() if key in group and key != "params"})
     if not options.module_only:
         if staged.scaler:
-            engine.parts.scaler.load_state_dict(state["scaler"])
-        if restores_scheduler(engine, state, options):
-            engine.lr_scheduler.load_state_dict(state["scheduler"])
-        engine.progress.load_state_dict(state["counters"])
-    engine.parts.group.publish_masters()
-    engine.parts.group.zero_grads()
-
-
-def load_optimizer_state(optimizer: torch.optim.Optimizer, states: dict[torch.Tensor, dict]) -> None:
-    """Hands per-parameter states to the optimizer through its own
-    load_state_dict (which moves them to each parameter's device)."""
-    state_dict = optimizer.state_dict()
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    state_dict["state"] = {i: states[p] for i, p in enumerate(params) if states.get(p)}
-    optimizer.load_state_dict(state_dict)
+            parts.scaler.load_state_dict(state["scaler"])
+        if restores_scheduler(parts, state, options):
+            parts.scheduler.load_state_dict(state["scheduler"])
+        parts.progress.load_state_dict(state["counters"])
+    shards = {key: {"master": master, **staged.optimizer.get(key, {})} for key, master in staged.masters.items()}
+    parts.shards.load_state_dict(shards, optimizer_states=options.optimizer_states)

@@ -1,7 +1,7 @@
 """Saving checkpoints. save_dir/TAG/ holds, per rank, the named shards it
 updates (element ranges of each parameter: fp32 master and optimizer states)
 and, from rank 0, the engine state, the module's state_dict and a manifest
-(the files: checkpoint_files.py). save_dir/latest names the last complete tag.
+(the files: format.py). save_dir/latest names the last complete tag.
 Named shards load on any world size and stage (load.py).
 
 [Note: atomic save]
@@ -36,37 +36,19 @@ import torch
 from .barrier import failure, store_agree
 from .deepspeed_optim import built_by
 from .format import ENGINE_STATE, FORMAT, MANIFEST, MODEL_STATES, NamedShard, manifest_entry, shard_file
+from .parts import CheckpointOptions, CheckpointParts
 from .tensorfile import SafetensorsReader, TensorSpec, fsync_dir, write_safetensors
 
 log = logging.getLogger("zero")
-BARRIER_TIMEOUT_S = 600.0  # the longest a rank waits for the others (to write, to validate)
-phase_hook: Callable[[str, int], None] = lambda phase, rank: None  # tests kill a rank at a phase of save()
 
 
-# ---- what a rank holds: the seam where states may live elsewhere (offload) ----------------------
-def master_slices(engine) -> list[tuple[NamedShard, torch.Tensor]]:
-    """Every fp32 master slice this rank updates (the optimizer's parameters),
-    named; the shard's tensors are left empty."""
-    names = engine.parts.param_names
-    group_of = {id(p): g for g, pg in enumerate(engine.optimizer.param_groups) for p in pg["params"]}
-    return [(NamedShard(names[index], local.begin, local.numel, group_of.get(id(view))), view)
-            for index, local, view in engine.parts.group.master_slices()]
-
-
-def named_shards(engine) -> list[NamedShard]:
+def named_shards(parts: CheckpointParts) -> list[NamedShard]:
     """The named shards this rank saves: its fp32 master slices and their
     optimizer states (views, not copies). Unsharded masters (stage 0) are
     saved by rank 0 only."""
-    if not engine.parts.group.policy.shard_optimizer and engine.parts.comm.rank != 0:
+    if parts.stage == 0 and parts.rank != 0:
         return []
-    shards = []
-    for shard, view in master_slices(engine):
-        shard.tensors["master"] = view.detach()
-        for key, value in engine.optimizer.state.get(view, {}).items():
-            if isinstance(value, torch.Tensor):
-                shard.tensors[key] = value.detach()
-        shards.append(shard)
-    return shards
+    return list(parts.shards.state_dict().values())
 
 
 def write_shards(path: str, shards: list[NamedShard]) -> None:
@@ -82,39 +64,40 @@ def write_shards(path: str, shards: list[NamedShard]) -> None:
 
 
 # ---- save -------------------------------------------------------------------------------------
-def engine_state(engine, client_state: dict | None) -> dict:
-    scheduler, comm = engine.lr_scheduler, engine.parts.comm
+def engine_state(parts: CheckpointParts, client_state: dict | None) -> dict:
+    """engine_state.pt: the facts of the run and the state_dict of each stateful part but the shards."""
+    scheduler = parts.scheduler
     return {
-        "format": FORMAT, "world_size": comm.world_size, "stage": engine.parts.group.policy.stage,
-        "dtype": str(engine.parts.dtype).removeprefix("torch."),
-        "params": param_shapes(engine), "state_dict": state_dict_keys(engine),
-        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups],
-        "layout": batch_layout(engine), "scaler": engine.parts.scaler.state_dict(),
+        "format": FORMAT, "world_size": parts.world_size, "stage": parts.stage,
+        "dtype": str(parts.dtype).removeprefix("torch."),
+        "params": parts.param_shapes(), "state_dict": state_dict_keys(parts),
+        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in parts.optimizer.param_groups],
+        "layout": dict(parts.layout), "scaler": parts.scaler.state_dict(),
         "scheduler": scheduler.state_dict() if scheduler is not None and hasattr(scheduler, "state_dict") else None,
-        "counters": engine.progress.state_dict(),
+        "counters": parts.progress.state_dict(),
         "client_state": client_state or {},
-        "deepspeed": deepspeed_facts(engine),
+        "deepspeed": deepspeed_facts(parts),
     }
 
 
-def deepspeed_facts(engine) -> dict:
+def deepspeed_facts(parts: CheckpointParts) -> dict:
     """What DeepSpeed's layout needs beyond zero's own (to_deepspeed.py): the
     persistent buffers' names, the clipping, the stage-3 sub-group size, the
     fp16 scaler's options (DeepSpeed's files hold the scaler whole), and the
     optimizer DeepSpeed builds from this config, whose layout it saves
     (deepspeed_optim.py), and its adamw_mode."""
-    config = engine.config
-    return {"buffers": buffer_names(engine.module), "clip_grad": float(config.gradient_clipping),
+    config = parts.config
+    return {"buffers": buffer_names(parts.module), "clip_grad": float(config.gradient_clipping),
             "sub_group_size": int(config.zero.sub_group_size), "scaler_options": dataclasses.asdict(config.scaler),
-            "optimizer": deepspeed_optimizer(engine),
-            "adamw": isinstance(engine.optimizer, torch.optim.AdamW)
-            or any(g.get("decoupled_weight_decay", False) for g in engine.optimizer.param_groups)}
+            "optimizer": deepspeed_optimizer(parts),
+            "adamw": isinstance(parts.optimizer, torch.optim.AdamW)
+            or any(g.get("decoupled_weight_decay", False) for g in parts.optimizer.param_groups)}
 
 
-def deepspeed_optimizer(engine) -> str:
+def deepspeed_optimizer(parts: CheckpointParts) -> str:
     """DeepSpeed's optimizer for this engine's config ("FusedAdam", ...), or the client's class."""
-    config, cls = engine.config, type(engine.optimizer)
-    offload = {"offload_optimizer": {"device": config.zero.offload_optimizer}}
+    config, cls = parts.config, type(parts.optimizer)
+    offload = {"offload_optimizer": {"device": config.zero.offload_optimizer_options.device}}
     built = built_by({"optimizer": config.optimizer, "zero_optimization": offload})
     if built is not None:
         return built
@@ -130,35 +113,21 @@ def buffer_names(module: torch.nn.Module) -> list[str]:
             if buf is not None and name not in sub._non_persistent_buffers_set]
 
 
-def batch_layout(engine) -> dict[str, int]:
-    """What one optimizer step is made of: the micro-step counter means
-    nothing without it ([Note: what a resume restores] in load.py)."""
-    return {"world_size": engine.world_size, "micro_batch_size": engine.train_micro_batch_size_per_gpu(),
-            "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
-            "train_batch_size": engine.train_batch_size()}
-
-
-def param_shapes(engine) -> dict[str, tuple[int, ...]]:
-    """Every trainable parameter's shape, by name (stage 3 parameters are empty between uses)."""
-    names = engine.parts.param_names
-    return {names[index]: shape for index, shape in engine.parts.group.param_shapes().items()}
-
-
-def state_dict_keys(engine) -> list[tuple[str, str | None]]:
+def state_dict_keys(parts: CheckpointParts) -> list[tuple[str, str | None]]:
     """The module's state_dict keys in order, each with the trainable
     parameter it holds (tied names name the same one) or None (buffers, frozen)."""
-    name_of = {id(p): name for p, name in zip(engine.parts.trainable, engine.parts.param_names)}
-    params = dict(engine.module.named_parameters(remove_duplicate=False))
-    return [(key, name_of.get(id(params.get(key)))) for key in engine.module.state_dict(keep_vars=True)]
+    name_of = {id(p): name for p, name in zip(parts.trainable, parts.param_names)}
+    params = dict(parts.module.named_parameters(remove_duplicate=False))
+    return [(key, name_of.get(id(params.get(key)))) for key in parts.module.state_dict(keep_vars=True)]
 
 
-def module_state_dict(engine, full: list[torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def module_state_dict(parts: CheckpointParts, full: list[torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The module's state_dict (every key: tied names, buffers, frozen
     parameters) with the trainable parameters taken from `full`, in `dtype`."""
-    index = {id(p): i for i, p in enumerate(engine.parts.trainable)}
-    params = dict(engine.module.named_parameters(remove_duplicate=False))
+    index = {id(p): i for i, p in enumerate(parts.trainable)}
+    params = dict(parts.module.named_parameters(remove_duplicate=False))
     state, made = {}, {}
-    for name, tensor in engine.module.state_dict(keep_vars=True).items():
+    for name, tensor in parts.module.state_dict(keep_vars=True).items():
         param = params.get(name)
         if param is not None and id(param) in index:
             i = index[id(param)]
@@ -187,13 +156,14 @@ def attempt(fn: Callable[[], None]) -> tuple[str | None, BaseException | None]:
     return None, None
 
 
-def agree(what: str, rank: int, failed: tuple[str | None, BaseException | None], *, partial: str | None) -> None:
+def agree(what: str, rank: int, failed: tuple[str | None, BaseException | None], *, partial: str | None,
+          timeout_s: float) -> None:
     """Every rank learns whether every rank succeeded; if any failed, every rank
     raises the same error naming the ranks and their errors (rank 0 first
     removes the .partial directory): a ValueError when every failure was one
     (the caller's data), else a RuntimeError."""
     message, error = failed
-    failures = store_agree(what, BARRIER_TIMEOUT_S, message)
+    failures = store_agree(what, timeout_s, message)
     if failures:
         if rank == 0 and partial is not None:
             shutil.rmtree(partial, ignore_errors=True)
@@ -230,17 +200,17 @@ def prepare(save_dir: str, tag: str, partial: str) -> None:
         os.makedirs(partial)
 
 
-def write_rank0_files(engine, state_bytes: bytes, full: list[torch.Tensor], partial: str) -> None:
+def write_rank0_files(parts: CheckpointParts, state_bytes: bytes, full: list[torch.Tensor], partial: str) -> None:
     """engine_state.pt, model_states.pt, then the manifest of every file."""
     write_file(os.path.join(partial, ENGINE_STATE), state_bytes)
     path = os.path.join(partial, MODEL_STATES)
     with writing("save_checkpoint", path), open(path, "wb") as f:  # streamed: the whole model, in the training dtype
-        torch.save(module_state_dict(engine, full, engine.parts.dtype), f)
+        torch.save(module_state_dict(parts, full, parts.dtype), f)
         f.flush()
         os.fsync(f.fileno())
     files = {name: manifest_entry(os.path.join(partial, name), crc=True) for name in (ENGINE_STATE, MODEL_STATES)}
-    for r in range(engine.parts.comm.world_size):
-        path = shard_file(partial, r, engine.parts.comm.world_size)
+    for r in range(parts.world_size):
+        path = shard_file(partial, r, parts.world_size)
         with SafetensorsReader(path) as reader:
             header_crc = zlib.crc32(reader.header_bytes)
         files[os.path.basename(path)] = manifest_entry(path, header_crc=header_crc)
@@ -250,61 +220,64 @@ def write_rank0_files(engine, state_bytes: bytes, full: list[torch.Tensor], part
         fsync_dir(partial)
 
 
-def save(engine, save_dir: str, tag: str | None = None, client_state: dict | None = None, *,
-         save_latest: bool = True) -> str:
+def save(parts: CheckpointParts, save_dir: str, tag: str | None = None, client_state: dict | None = None, *,
+         save_latest: bool = True, options: CheckpointOptions = CheckpointOptions()) -> str:
     """Collective: writes save_dir/tag atomically ([Note: atomic save]); returns its path.
     save_latest=False leaves `latest` as it was, as DeepSpeed's."""
-    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    tag = str(tag) if tag is not None else f"global_step{parts.progress.state_dict()['global_steps']}"
     if not tag or os.sep in tag or tag.startswith("."):
         raise ValueError(f"save_checkpoint: tag {tag!r} must be a plain, non-hidden directory name")
-    rank, world_size = engine.parts.comm.rank, engine.parts.comm.world_size
+    counters = parts.progress.state_dict()
+    rank, world_size, timeout_s = parts.rank, parts.world_size, options.timeout_s
     directory, partial = os.path.join(save_dir, tag), os.path.join(save_dir, f".{tag}.partial")
     what = f"save_checkpoint {directory}"
     state_bytes = b""
     if rank == 0:
-        within = engine.micro_steps % engine.gradient_accumulation_steps()
+        within = counters["micro_steps"] % parts.accumulation_steps
         if within:
             log.warning(f"zero: {what}: saved {within} micro-steps into an accumulation of "
-                        f"{engine.gradient_accumulation_steps()}: their gradients are not saved, a resume starts "
-                        f"at the boundary after global step {engine.global_steps}")
+                        f"{parts.accumulation_steps}: their gradients are not saved, a resume starts "
+                        f"at the boundary after global step {counters['global_steps']}")
 
         def start() -> None:
             nonlocal state_bytes
-            state_bytes = plain_bytes(engine_state(engine, client_state))
+            state_bytes = plain_bytes(engine_state(parts, client_state))
             prepare(save_dir, tag, partial)
-    agree(f"{what}: {partial} made", rank, attempt(start) if rank == 0 else (None, None), partial=None)
-    full = engine.full_params_fp32()  # collective: before any rank may stop at a barrier
+    agree(f"{what}: {partial} made", rank, attempt(start) if rank == 0 else (None, None), partial=None,
+          timeout_s=timeout_s)
+    full = parts.full_params_fp32()  # collective: before any rank may stop at a barrier
     path = shard_file(partial, rank, world_size)
 
     def write() -> None:
-        with engine.parts.group.offloaded_states(), writing("save_checkpoint", path):  # offloaded states as tensors
-            write_shards(path, named_shards(engine))
+        with parts.shards.offloaded_states(), writing("save_checkpoint", path):  # offloaded states as tensors
+            write_shards(path, named_shards(parts))
     failed = attempt(write)
-    phase_hook("written", rank)
-    agree(f"{what}: every rank's shards written", rank, failed, partial=partial)
+    options.phase("written", rank)
+    agree(f"{what}: every rank's shards written", rank, failed, partial=partial, timeout_s=timeout_s)
     failed = (None, None)
     if rank == 0:
         def finish() -> None:
-            write_rank0_files(engine, state_bytes, full, partial)
-            phase_hook("committing", rank)
+            write_rank0_files(parts, state_bytes, full, partial)
+            options.phase("committing", rank)
             with writing("save_checkpoint", directory):
-                commit(save_dir, tag, partial, directory, save_latest=save_latest)
+                commit(save_dir, tag, partial, directory, save_latest=save_latest, options=options)
         failed = attempt(finish)
     else:
-        phase_hook("waiting", rank)
-    agree(f"{what}: rank 0 committed", rank, failed, partial=partial)
+        options.phase("waiting", rank)
+    agree(f"{what}: rank 0 committed", rank, failed, partial=partial, timeout_s=timeout_s)
     return directory
 
 
-def commit(save_dir: str, tag: str, partial: str, directory: str, *, save_latest: bool) -> None:
+def commit(save_dir: str, tag: str, partial: str, directory: str, *, save_latest: bool,
+           options: CheckpointOptions) -> None:
     previous = os.path.join(save_dir, f".{tag}.previous")
     if os.path.exists(directory):
         os.rename(directory, previous)
-        phase_hook("renamed_old", 0)
+        options.phase("renamed_old", 0)
     os.rename(partial, directory)
     fsync_dir(save_dir)
     shutil.rmtree(previous, ignore_errors=True)
-    phase_hook("before_latest", 0)
+    options.phase("before_latest", 0)
     if not save_latest:
         return
     latest = os.path.join(save_dir, "latest")
@@ -327,12 +300,12 @@ def recover(save_dir: str, tag: str) -> None:
             fsync_dir(save_dir)
 
 
-def save_16bit_model(engine, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+def save_16bit_model(parts: CheckpointParts, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
     """Collective: rank 0 writes the whole module's state_dict in the training
     dtype (stage 3 gathers the shards), as DeepSpeed's save_16bit_model."""
-    full = engine.full_params_fp32()
-    if engine.parts.comm.rank != 0:
+    full = parts.full_params_fp32()
+    if parts.rank != 0:
         return True
     os.makedirs(save_dir, exist_ok=True)
-    torch.save(module_state_dict(engine, full, engine.parts.dtype), os.path.join(save_dir, save_filename))
+    torch.save(module_state_dict(parts, full, parts.dtype), os.path.join(save_dir, save_filename))
     return True

@@ -36,6 +36,7 @@ from .deepspeed_layout import DS_VERSION, Layout, flat_layout, model_states_name
 from .deepspeed_optim import CPU_ADAM, FUSED_ADAM, built_by, check_target, config_for, write_group, write_state
 from .format import MODEL_STATES, SavedShards, check_file, load_plain, read_engine_state, read_manifest
 from .output import check_empty, check_outside, first_missing, partial_file, remove_made
+from .parts import CheckpointOptions
 from .save import commit, writing
 from .tensorfile import fsync_dir
 from .to_fp32 import checkpoint_directory
@@ -153,7 +154,7 @@ def convert(checkpoint_dir: str, out_dir: str, *, tag: str | None = None, overwr
             fsync_dir(partial)
         copy_recovery_script(out_dir)
         with writing("to_deepspeed", target):
-            commit(out_dir, tag, partial, target, save_latest=True)
+            commit(out_dir, tag, partial, target, save_latest=True, options=CheckpointOptions())
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         remove_made(made)

@@ -6,7 +6,7 @@ import json
 import sys
 
 from . import __doc__ as DOC
-from . import estimate, shape_from_hf
+from .report import estimate, shape_from_hf
 from . import memory_model as mm
 
 

@@ -3,8 +3,9 @@ comms_logger, csv_monitor, tensorboard, wandb, wall_clock_breakdown and
 steps_per_print, with DeepSpeed's defaults."""
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
+
+from ..parsing.values import section_of, warn_unknown
 
 COMMS_KEYS = {"enabled", "verbose", "prof_all", "prof_ops", "debug"}
 MONITOR_KEYS = {"csv_monitor": {"enabled", "output_path", "job_name"},
@@ -36,12 +37,8 @@ class MonitoringConfig:
 
 
 def _section(raw: dict, key: str, known: set[str]) -> dict:
-    section = raw.get(key, {})
-    if not isinstance(section, dict):
-        raise ValueError(f"zero config: {key} must be an object, got {section!r}")
-    for name in section:
-        if name not in known:
-            warnings.warn(f"zero config: unknown key {key}.{name!r} ignored", stacklevel=4)
+    section = section_of(raw, key)
+    warn_unknown(section, known, f"{key}.")
     for flag in ("enabled", "verbose", "prof_all", "debug"):
         if flag in section and not isinstance(section[flag], bool):
             raise ValueError(f"zero config: {key}.{flag} must be true or false, got {section[flag]!r}")

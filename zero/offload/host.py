@@ -34,9 +34,9 @@ from typing import Protocol
 
 import torch
 
-from ..runtime.config import OffloadOptions
 from ..sharding.param_group import ParamGroup, ZeroBucket
 from . import cuda
+from .config import OffloadOptions
 
 
 class GradCopies(Protocol):

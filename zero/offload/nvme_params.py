@@ -18,8 +18,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from ..runtime.config import AioOptions, OffloadOptions
 from ..sharding.param_group import ZeroBucket, fold_into_master
+from .config import AioOptions, OffloadOptions
 from .host import HostParamGroup
 from .nvme_states import NvmeStates, check_optimizer
 from .swap import IOPool, SwapFile, aligned_empty, round_up

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..runtime.config import AioOptions, OffloadOptions
+from ..optim import host_adam
 from ..sharding.param_group import ZeroBucket, fold_into_master
-from . import host_adam
+from .config import AioOptions, OffloadOptions
 from .swap import IOPool, SwapFile, Transfer, aligned_empty, round_up
 
 STATE_NAMES = ("exp_avg", "exp_avg_sq")

@@ -23,7 +23,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from ..runtime.config import AioOptions
+from .config import AioOptions
+
 
 ALIGN = 4096  # direct I/O alignment of offsets, sizes and buffer addresses (the page size covers every device)
 

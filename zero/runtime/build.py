@@ -5,10 +5,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ringcomm.plan.layout import BufferLayout, plan_buckets, plan_module_buckets
+from ringcomm import BufferLayout, plan_buckets, plan_module_buckets
 from ringcomm.transport.placement import host_name
 
-from .. import comm as comm_mod
 from ..activation import checkpointing
 from ..monitor.setup import open_step_log
 from ..monitor.step_log import StepLog
@@ -21,7 +20,7 @@ from ..sharding.param_group import ParamGroup, build_buckets
 from ..sharding.seam import make_comm, make_partition_comm
 from ..sharding.wire import Topology
 from . import config as config_mod
-from . import optim
+from ..optim import optimizers as optim
 from .engine import EngineParts, ZeroEngine
 from .precision import make_scaler
 
@@ -94,9 +93,9 @@ def module_groups(model: nn.Module, params: list[nn.Parameter]) -> tuple[list[nn
 def make_group(buckets: list, cfg: config_mod.EngineConfig, comm, optimizer: torch.optim.Optimizer) -> ParamGroup:
     """The ParamGroup for the config's offload sections."""
     zero = cfg.zero
-    if zero.offload_optimizer == "none" and zero.offload_param == "none":
+    if zero.offload_optimizer_options.device == "none" and zero.offload_param_options.device == "none":
         return ParamGroup(buckets, zero.policy, comm, timeout_s=comm.timeout_s)
-    if "nvme" not in (zero.offload_optimizer, zero.offload_param):
+    if "nvme" not in (zero.offload_optimizer_options.device, zero.offload_param_options.device):
         return HostParamGroup(buckets, zero.policy, comm, timeout_s=comm.timeout_s,
                               options=zero.offload_optimizer_options, param_options=zero.offload_param_options)
     return NvmeParamGroup(buckets, zero.policy, comm, timeout_s=comm.timeout_s, options=zero.offload_optimizer_options,
@@ -118,7 +117,7 @@ def use_zeropp(group: ParamGroup, comm, cfg: config_mod.EngineConfig) -> None:
                                  comm.group.transport.whole_max_nbytes if transport == "hierarchical" else 0))
     if options == zeropp.ZeroPPOptions():
         return
-    zeropp.check_placement(options, hosts, comm.kind, cfg.zero.offload_param)
+    zeropp.check_placement(options, hosts, comm.kind, cfg.zero.offload_param_options.device)
     comm.zeropp = options
     size = options.hpz_partition_size
     group.use_zeropp(options, make_partition_comm(comm, size) if size > 1 else None)
@@ -149,7 +148,6 @@ def make_scheduler(lr_scheduler, optimizer, cfg: config_mod.EngineConfig):
 
 def build_engine(model: nn.Module, optimizer=None, model_parameters=None, lr_scheduler=None,
                  config=None, comm_backend: str | None = None, args: object = None) -> ZeroEngine:
-    comm_mod.init_distributed()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     cfg = config_mod.parse(config if config is not None else {}, model_facts(model, world_size, args))
     activation = checkpointing.for_engine(cfg.activation_checkpointing)
@@ -171,7 +169,7 @@ def assemble(model: nn.Module, cfg: config_mod.EngineConfig, activation: checkpo
     params = trainable_params(model)
     optimizer = make_optimizer(optimizer, model_parameters, params, cfg)
     device = params[0].device if params else torch.device("cpu")
-    offloaded = (cfg.zero.offload_optimizer, cfg.zero.offload_param) != ("none", "none")
+    offloaded = (cfg.zero.offload_optimizer_options.device, cfg.zero.offload_param_options.device) != ("none", "none")
     comm = make_comm(comm_backend or cfg.comm_backend or "ringcomm", device, host_tensors=offloaded)
     comm.overlap = cfg.zero.overlap_comm
     layout, module_uses = plan_layout(model, params, cfg, world_size)
@@ -179,6 +177,9 @@ def assemble(model: nn.Module, cfg: config_mod.EngineConfig, activation: checkpo
     group = make_group(buckets, cfg, comm, optimizer)
     use_zeropp(group, comm, cfg)
     optim.rebind(optimizer, params, group.setup_masters())
+    names = {id(p): name for name, p in model.named_parameters()}
+    param_names = [names[id(p)] for p in params]
+    group.attach(optimizer, param_names)
     group.register_hooks(params)
     gatherer = None
     if cfg.zero.policy.shard_params:
@@ -189,6 +190,5 @@ def assemble(model: nn.Module, cfg: config_mod.EngineConfig, activation: checkpo
         gatherer.register()
     scheduler = make_scheduler(lr_scheduler, optimizer, cfg)
     scaler = make_scaler(dtype, cfg.scaler)
-    names = {id(p): name for name, p in model.named_parameters()}
     return ZeroEngine(EngineParts(model, optimizer, scheduler, cfg, group, gatherer, scaler, comm, dtype,
-                                  [names[id(p)] for p in params], params, activation, step_log))
+                                  param_names, params, activation, step_log))

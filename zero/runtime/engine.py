@@ -15,12 +15,14 @@ from torch.utils._pytree import tree_map
 from ..activation import checkpointing
 from ..checkpoint import load as checkpoint_load
 from ..checkpoint import save as checkpoint_save
+from ..checkpoint.parts import CheckpointOptions, CheckpointParts
 from ..monitor import comms
 from ..monitor.step_log import StepLog
 from ..sharding.accounting import MemoryReport, memory_report
 from ..sharding.gather import ModuleGatherer
 from ..sharding.param_group import ParamGroup
 from ..sharding.seam import Comm
+from ..sharding.state import param_shapes
 from ..sharding.wire import WireReport
 from .config import EngineConfig
 from .precision import LossScaler
@@ -97,6 +99,7 @@ class ZeroEngine:
         self._destroyed = False
         comms.LOGGER.configure(parts.config.monitoring.comms_logger)
         self.step_log = parts.step_log
+        self.checkpoint_options = CheckpointOptions()  # how ranks agree in save/load_checkpoint (a test's hook)
 
     global_steps = _progress("global_steps")
     global_samples = _progress("global_samples")
@@ -291,11 +294,25 @@ class ZeroEngine:
         """Every trainable parameter's fp32 master, whole (a collective)."""
         return self.parts.group.full_masters()
 
+    def checkpoint_parts(self) -> CheckpointParts:
+        """The stateful parts save_checkpoint and load_checkpoint compose (zero/checkpoint/parts.py)."""
+        parts = self.parts
+        return CheckpointParts(
+            rank=parts.comm.rank, world_size=parts.comm.world_size, stage=parts.group.policy.stage, dtype=parts.dtype,
+            module=self.module, param_names=parts.param_names, trainable=parts.trainable,
+            param_shapes=lambda: param_shapes(parts.group), shards=parts.group, optimizer=self.optimizer,
+            scaler=parts.scaler, scheduler=self.lr_scheduler, progress=self.progress,
+            full_params_fp32=self.full_params_fp32, config=self.config, layout={
+                "world_size": self.world_size, "micro_batch_size": self.train_micro_batch_size_per_gpu(),
+                "gradient_accumulation_steps": self.gradient_accumulation_steps(),
+                "train_batch_size": self.train_batch_size()})
+
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         """Collective; returns True, as DeepSpeed. The checkpoint holds the
         trainable parameters (exclude_frozen_parameters is what it does anyway)."""
-        checkpoint_save.save(self, save_dir, tag, client_state, save_latest=save_latest)
+        checkpoint_save.save(self.checkpoint_parts(), save_dir, tag, client_state, save_latest=save_latest,
+                             options=self.checkpoint_options)
         return True
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
@@ -314,13 +331,13 @@ class ZeroEngine:
         if tag is None and not os.path.isfile(os.path.join(load_dir, "latest")):
             log.warning(f"zero: load_checkpoint: no 'latest' file in {load_dir}; nothing loaded")
             return None, None
-        return checkpoint_load.load(self, load_dir, tag, load_module_strict=load_module_strict,
-                               load_optimizer_states=load_optimizer_states,
-                               load_lr_scheduler_states=load_lr_scheduler_states,
-                               load_module_only=load_module_only)
+        return checkpoint_load.load(self.checkpoint_parts(), load_dir, tag, load_module_strict=load_module_strict,
+                                    load_optimizer_states=load_optimizer_states,
+                                    load_lr_scheduler_states=load_lr_scheduler_states,
+                                    load_module_only=load_module_only, options=self.checkpoint_options)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
-        return checkpoint_save.save_16bit_model(self, save_dir, save_filename)
+        return checkpoint_save.save_16bit_model(self.checkpoint_parts(), save_dir, save_filename)
 
     @property
     def last_step_sent_nbytes(self) -> int:

@@ -35,6 +35,11 @@ NO_EFFECT: dict[str, tuple[Callable[[object], bool], str]] = {
     "communication_data_type": (_is(None), "gradients are reduced in their own dtype (16-bit ones accumulate "
                                            "in float32 and are rounded once)"),
     "seed": (_never, "zero seeds nothing: call torch.manual_seed yourself"),
+    "aio.queue_depth": (_is(8), "NVMe I/O runs blocking pread/pwrite on aio.thread_count threads: no libaio queue"),
+    "aio.single_submit": (_is(False), "NVMe I/O runs blocking pread/pwrite on aio.thread_count threads: no libaio "
+                                      "submission"),
+    "aio.overlap_events": (_is(True), "NVMe I/O runs blocking pread/pwrite on aio.thread_count threads: no libaio "
+                                      "events"),
     "zero_force_ds_cpu_optimizer": (lambda value: True, "zero's host optimizer step is its own"),
     "fp16.auto_cast": (_is(False), "the model runs in the precision of its parameters; no autocast"),
     "fp16.fp16_master_weights_and_grads": (_is(False), "fp32 master weights are always kept"),

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..runtime import config as config_mod
+from ..parsing.values import load
 
 
 def is_partitioned(param: torch.Tensor) -> bool:
@@ -88,7 +88,7 @@ def _config_dtype(config) -> torch.dtype | None:
     """The training dtype a DeepSpeed config names (the shards are kept in it, as DeepSpeed's Init does)."""
     if config is None:
         return None
-    raw = config_mod.load(config)
+    raw = load(config)
     if raw.get("bf16", {}).get("enabled") is True:
         return torch.bfloat16
     if raw.get("fp16", {}).get("enabled") is True:

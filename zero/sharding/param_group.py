@@ -17,18 +17,19 @@ and the engine call: unshard / reshard (stage 3), reduce_grads, step.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from ringcomm.buckets.buffer import GradBucket
-from ringcomm.plan.layout import BufferLayout
-from ringcomm.buckets.overlap import OwnedBucketScheduler
+from ringcomm import BufferLayout, GradBucket, OwnedBucketScheduler
 from ringcomm.plan.schedule import Span
 
-from ..offload import host_adam
-from ..runtime.optim import unscaled
+from ..checkpoint.format import NamedShard
+from ..optim import host_adam
+from ..optim.optimizers import unscaled
 from . import init as zero_init
+from . import state
 from .policy import ShardingPolicy
 from .seam import Comm, Handle
 from .zeropp import Secondary, ZeroPPOptions
@@ -148,6 +149,8 @@ class ParamGroup:
         self.quantized_weights = False
         self.partition_comm: Comm | None = None
         self.secondary: Secondary | None = None  # hpZ ([Note: ZeRO++ in zero])
+        self.optimizer: torch.optim.Optimizer | None = None  # attach(): what state_dict() saves
+        self.param_names: list[str] = []
         self.scheduler = OwnedBucketScheduler(
             [b.grads for b in buckets], comm, mode=mode, scale=1.0 / comm.world_size, timeout_s=timeout_s,
             on_launch=self._after_launch if policy.shard_params else None)
@@ -255,19 +258,16 @@ class ParamGroup:
                 out.append((index, bucket.master_views[-1][0]))
         return out
 
-    def master_slices(self) -> list[tuple[int, Span, torch.Tensor]]:
-        """Every fp32 master slice this rank updates (the optimizer's
-        parameters): (parameter index, its elements of that parameter, view)."""
-        out = []
-        for bucket in self.buckets:
-            slices = bucket.layout.local_slices(bucket.span.index, bucket.owned)
-            for (view, _, _), (index, _, in_param) in zip(bucket.master_views, slices, strict=True):
-                out.append((index, in_param, view))
-        return out
+    def attach(self, optimizer: torch.optim.Optimizer, param_names: Sequence[str]) -> None:
+        """The optimizer over the master slices and the parameters' names, by index: what state_dict names."""
+        self.optimizer, self.param_names = optimizer, list(param_names)
 
-    def param_shapes(self) -> dict[int, tuple[int, ...]]:
-        """Every parameter's whole shape, by parameter index (stage-3 parameters are empty between uses)."""
-        return {index: tuple(shape) for b in self.buckets for index, shape in zip(b.indices, b.shapes)}
+    def state_dict(self) -> dict[str, NamedShard]:
+        """Every fp32 master slice this rank holds, named, with its optimizer states (state.py)."""
+        return state.state_dict(self)
+
+    def load_state_dict(self, saved: dict[str, dict[str, torch.Tensor]], *, optimizer_states: bool = True) -> None:
+        state.load_state_dict(self, saved, optimizer_states=optimizer_states)
 
     def make_master(self, bucket: ZeroBucket, source: torch.Tensor) -> torch.Tensor:
         """The fp32 master of `source` (the owned values): on the model's device,
