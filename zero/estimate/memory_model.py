@@ -28,6 +28,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
+from ringcomm.plan.schedule import bus_factor
+
 from ..sharding.policy import STAGES, ShardingPolicy
 
 
@@ -69,10 +71,9 @@ def model_states(num_params: float, world_size: int, stage: int, precision: Prec
 def comm_elements(num_params: float, world_size: int, stage: int) -> float:
     """Elements each rank sends per step: 2 psi (n-1)/n (all-reduce, or
     reduce-scatter + all-gather), 3 psi (n-1)/n at stage 3 (parameters
-    gathered for forward and again for backward): a ring phase sends (n-1)/n
-    of the elements (ringcomm's [Note: ring volume]; no import of ringcomm here,
-    so the estimate runs where it is not built)."""
-    return ShardingPolicy.for_stage(stage).ring_phases * num_params * (world_size - 1) / world_size
+    gathered for forward and again for backward). ringcomm.plan.schedule is
+    standard library only, so the estimate runs where ringcomm is not built."""
+    return ShardingPolicy.for_stage(stage).ring_phases * num_params * bus_factor("all_gather", world_size)
 
 
 def reduction_factor(world_size: int, stage: int) -> float:
