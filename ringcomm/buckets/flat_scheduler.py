@@ -83,11 +83,6 @@ class BucketScheduler(BucketLauncher):
             buffer.zero_grad()
         super().zero_grad()
 
-    def grad_shards(self) -> list[list[torch.Tensor]]:
-        """This rank's chunk of every bucket of every buffer: [buffer][bucket]."""
-        rank = self.collectives.rank
-        return [[buf.shard_view(k.index, rank) for k in buf.layout.buckets] for buf in self.buffers]
-
     def observed_order(self) -> list[Slot]:
         """(buffer, param) slots in the order the last synchronized step marked them ready."""
         slots = {id(p): (b, i) for b, buffer in enumerate(self.buffers) for i, p in enumerate(buffer.params)}

@@ -160,11 +160,10 @@ def plan_groups(param_numels: Sequence[int], groups: Sequence[Sequence[int]], *,
 
 
 class ModuleBuckets(NamedTuple):
-    """A stage-3 plan: the layout; per bucket, the module whose parameters it
-    holds (None: the resident bucket); per module, the buckets it uses."""
+    """A stage-3 plan: the layout (its last bucket resident when some parameters
+    stay whole) and, per module, the buckets it uses."""
 
     layout: BufferLayout
-    owners: tuple[int | None, ...]
     uses: tuple[tuple[int, ...], ...]
 
 
@@ -178,22 +177,22 @@ def plan_module_buckets(module_params: Sequence[Sequence[int]], param_numels: Se
     that uses it, and every module using it gathers that bucket."""
     bucket_of: dict[int, int] = {}
     groups: list[list[int]] = []
-    owners: list[int | None] = []
+    resident: list[bool] = []
     persistent: list[int] = []
-    for module, indices in enumerate(module_params):
+    for indices in module_params:
         fresh = [i for i in dict.fromkeys(indices) if i not in bucket_of and i not in persistent]
         persistent.extend(i for i in fresh if param_numels[i] <= persistence_threshold)
         sharded = [i for i in fresh if param_numels[i] > persistence_threshold]
         if sharded:
             bucket_of.update((i, len(groups)) for i in sharded)
             groups.append(sharded)
-            owners.append(module)
+            resident.append(False)
     if persistent:
         groups.append(persistent)
-        owners.append(None)
-    layout = plan_groups(param_numels, groups, world_size=world_size, resident=[m is None for m in owners])
+        resident.append(True)
+    layout = plan_groups(param_numels, groups, world_size=world_size, resident=resident)
     uses = tuple(tuple(dict.fromkeys(bucket_of[i] for i in indices if i in bucket_of)) for indices in module_params)
-    return ModuleBuckets(layout, tuple(owners), uses)
+    return ModuleBuckets(layout, uses)
 
 
 def _place(numels: list[int], groups: list[list[int]], world_size: int, order: tuple[int, ...],
