@@ -39,7 +39,7 @@ _HOMES = {
     "dump_trace": "observe.recorder",
     "BucketLauncher": "buckets.overlap", "OwnedBucketScheduler": "buckets.overlap",
     "quantized_all_gather": "comm.quantized", "quantized_reduce_scatter": "comm.quantized",
-    "ShmOptions": "transport.shm",
+    "ShmOptions": "transport.shm", "host_name": "transport.placement",
     "TorchDistOptions": "algorithms.flat_ring",
     "Work": "comm.work",
 }

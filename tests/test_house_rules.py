@@ -117,3 +117,38 @@ def test_the_check_sees_imports_that_run_up(probe: str, text: str, caught: str) 
     face, and ringcomm importing zero are each caught."""
     sources = {p: p.read_text() for p in SOURCES} | {ROOT / probe: text}
     assert f"{probe} imports {caught}" in import_violations(sources)
+
+
+COMPAT = ROOT / "ringcomm" / "core" / "compat.py"  # the one module that may call torch's private APIs
+TORCH_NAMES = {"torch", "dist", "nn", "F"}  # how the packages spell torch and its submodules
+
+
+def private_torch_uses(path: Path, text: str) -> list[str]:
+    """Each import or attribute of torch's whose name is private (one leading underscore)."""
+    def private(name: str) -> bool:
+        return name.startswith("_") and not name.startswith("__")
+
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            names = (node.module or "").split(".") + [alias.name for alias in node.names]
+            found += [f"{path.name}:{node.lineno} from {node.module} import"] if any(map(private, names)) else []
+        elif isinstance(node, ast.Import):
+            found += [f"{path.name}:{node.lineno} import {a.name}" for a in node.names
+                      if a.name.split(".")[0] == "torch" and any(map(private, a.name.split(".")))]
+        elif isinstance(node, ast.Attribute) and private(node.attr):
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in TORCH_NAMES:
+                found.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_torch_private_apis_have_one_home() -> None:
+    """torch's private APIs are called from ringcomm/core/compat.py only, so a
+    torch release that moves one breaks one module."""
+    bad = [use for path in SOURCES if path != COMPAT for use in private_torch_uses(path, path.read_text())]
+    assert not bad, "torch's private APIs outside core/compat.py:\n" + "\n".join(bad)
+    probe = "import torch.utils._pytree\nfrom torch.distributed import distributed_c10d\nx = dist.distributed_c10d._get_default_store()\n"
+    assert len(private_torch_uses(ROOT / "probe.py", probe)) == 2, "the check must see both private uses"

@@ -1,4 +1,4 @@
-"""The one place ringcomm (and zero) call torch's private APIs: each is named
+"""The one place ringcomm and zero call torch's private APIs: each is named
 here once, so a torch release that moves one breaks one line. Every function
 is a plain forward; the comment says why no public API does the job."""
 from __future__ import annotations
@@ -9,6 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.autograd import profiler as _autograd_profiler
+from torch.utils import _pytree
 
 
 def profiler_enabled() -> bool:
@@ -55,3 +56,23 @@ def nccl_options(timeout: timedelta) -> object:
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
     return options
+
+
+def tree_map(fn, tree):
+    """fn over every leaf of a nested container (torch's pytree; no public alias in 2.13)."""
+    return _pytree.tree_map(fn, tree)
+
+
+def tree_flatten(tree) -> tuple[list, object]:
+    """The leaves of a nested container and the spec to rebuild it (torch's pytree)."""
+    return _pytree.tree_flatten(tree)
+
+
+def zip_file_reader(path: str) -> object:
+    """torch.save's zip container, read record by record (torch.load reads it whole)."""
+    return torch._C.PyTorchFileReader(path)
+
+
+def device_types(pg: dist.ProcessGroup) -> list[torch.device]:
+    """The device types a process group has a backend for (no public query)."""
+    return pg._device_types

@@ -23,6 +23,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from ringcomm.core import compat
+
 PREFIX = "zero/barrier"
 
 
@@ -40,7 +42,7 @@ def store_agree(what: str, timeout_s: float, error: str | None) -> list[tuple[in
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [] if error is None else [(dist.get_rank() if dist.is_initialized() else 0, error)]
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    store = dist.distributed_c10d._get_default_store()
+    store = compat.default_store()
     number = store.add(f"{PREFIX}/count/rank{rank}", 1)
     key = f"{PREFIX}/{number}"
     store.set(f"{key}/error{rank}", "ok" if error is None else "!" + error)

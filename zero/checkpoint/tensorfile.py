@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ringcomm.core import compat
+
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
                       torch.uint8: "U8", torch.bool: "BOOL"}
@@ -232,7 +234,7 @@ def write_torch(path: str, specs: Sequence[TensorSpec], fill: Fill, aliases: dic
         torch.save(skeleton, path)
     del skeleton
     # torch.save numbers storages in the order the pickler meets them: the specs' order
-    reader = torch._C.PyTorchFileReader(path)
+    reader = compat.zip_file_reader(path)
     offsets = [reader.get_record_offset(f"data/{key}") for key in range(len(specs))]
     sizes = [reader.get_record_size(f"data/{key}") for key in range(len(specs))]
     del reader

@@ -5,8 +5,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ringcomm import BufferLayout, plan_buckets, plan_module_buckets
-from ringcomm.transport.placement import host_name
+from ringcomm import BufferLayout, host_name, plan_buckets, plan_module_buckets
 
 from ..activation import checkpointing
 from ..monitor.setup import open_step_log
@@ -109,12 +108,13 @@ def use_zeropp(group: ParamGroup, comm, cfg: config_mod.EngineConfig) -> None:
     options = cfg.zero.zeropp
     if comm.world_size == 1 or (comm.kind != "ringcomm" and options == zeropp.ZeroPPOptions()):
         return  # a torch comm (maybe NCCL, a device per rank) asks no host names it does not need
-    hosts: list[str] = [""] * comm.world_size
-    dist.all_gather_object(hosts, host_name())
-    transport = comm.group.transport.kind if comm.kind == "ringcomm" else comm.kind
-    comm.topology = Topology(comm.rank, tuple(hosts), hierarchical=transport == "hierarchical",
-                             widens=transport == "torch_dist", whole_max_nbytes=(
-                                 comm.group.transport.whole_max_nbytes if transport == "hierarchical" else 0))
+    if comm.kind == "ringcomm":  # the group exchanged its hosts at set-up
+        comm.topology = Topology.of_group(comm.group)
+        hosts = list(comm.topology.hosts)
+    else:
+        hosts = [""] * comm.world_size
+        dist.all_gather_object(hosts, host_name())
+        comm.topology = Topology(comm.rank, tuple(hosts), hierarchical=False)
     if options == zeropp.ZeroPPOptions():
         return
     zeropp.check_placement(options, hosts, comm.kind, cfg.zero.offload_param_options.device)

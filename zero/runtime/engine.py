@@ -10,7 +10,8 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+
+from ringcomm.core.compat import tree_map
 
 from ..activation import checkpointing
 from ..checkpoint import load as checkpoint_load

@@ -23,7 +23,8 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+
+from ringcomm.core.compat import tree_flatten
 
 from .param_group import ParamGroup, ZeroBucket
 

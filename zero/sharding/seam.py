@@ -20,10 +20,11 @@ import torch
 import torch.distributed as dist
 
 import ringcomm
-from ringcomm.core.ops import LOW_PRECISION
 from ringcomm.comm.quantized import Rows
-from ringcomm.plan.schedule import sent_numel
 from ringcomm.comm.work import completed_future
+from ringcomm.core import compat
+from ringcomm.core.ops import LOW_PRECISION
+from ringcomm.plan.schedule import sent_numel
 
 from ..monitor import comms
 from .wire import Topology, WireReport
@@ -256,7 +257,7 @@ def make_comm(backend: str, device: torch.device, *, host_tensors: bool = False)
         return Comm(rank, world_size)
     if backend == "torch" or device.type != "cpu":
         comm = TorchComm(rank, world_size)
-        carried = dist.group.WORLD._device_types  # the device types the default group has a backend for
+        carried = compat.device_types(dist.group.WORLD)  # the device types the default group has a backend for
         if needs_host_comm(device, carried, host_tensors=host_tensors):
             comm.host = TorchComm(rank, world_size, dist.new_group(backend="gloo"), owned=True)
             comm.host.counter = comm

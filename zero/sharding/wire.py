@@ -27,6 +27,10 @@ Small all_reduces (the gradient norm) take another route; they are a few bytes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # wire.py stays free of torch: the model is arithmetic
+    import ringcomm
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +51,15 @@ class Topology:
     hierarchical: bool
     widens: bool = False  # a flat ring that sends 16-bit partial sums in float32 (torch_dist's)
     whole_max_nbytes: int = 0  # hierarchical: all_reduces up to this size skip the shards
+
+    @classmethod
+    def of_group(cls, group: ringcomm.Group) -> Topology:
+        """A ringcomm group's: its placement (the hosts it exchanged at set-up) and
+        how its transport moves bytes."""
+        transport = group.transport
+        hierarchical = transport.kind == "hierarchical"
+        return cls(group.rank, group.placement.hosts, hierarchical=hierarchical, widens=transport.kind == "torch_dist",
+                   whole_max_nbytes=transport.whole_max_nbytes if hierarchical else 0)
 
     @property
     def num_hosts(self) -> int:
