@@ -257,7 +257,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
             return backend.send(tensors, peer, tag)
         return backend.recv_anysource(tensors, tag) if peer is None else backend.recv(tensors, peer, tag)
 
-    # ---- lifetime: see [Note: group lifetime] in group.py ----
+    # ---- lifetime: see [Note: group lifetime] in comm/group.py ----
     def shutdown(self) -> None:
         """As ProcessGroupNCCL.shutdown (which destroy_process_group calls): new
         calls are refused, the calls in flight and queued may finish (up to the
