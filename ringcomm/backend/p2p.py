@@ -15,7 +15,7 @@ import torch.distributed as dist
 from ..comm.work import completed_future
 from ..observe import profiling
 from ..transport.base import P2pRequest, PointToPoint
-from .work import finished_work
+from .work import DelegatingWork, finished_work
 
 SEND, RECV, RECV_ANYSOURCE = "send", "recv", "recv_anysource"
 
@@ -54,39 +54,30 @@ def p2p_work(request: P2pRequest, value: list[torch.Tensor], finish: Callable[[]
     """A P2pWork, its fields set after construction (see [Note: finished works]:
     a Python __init__ that calls dist.Work's costs ~0.5 us more per call)."""
     work = P2pWork()
-    work._request, work._value, work._finish = request, value, finish
+    work._inner, work._value, work._finish = request, value, finish
     return work
 
 
-class P2pWork(dist.Work):
+class P2pWork(DelegatingWork):
     """The torch Work of one send or receive (made by p2p_work): wait() makes
     progress until it ended (raising its error), _source_rank() names a
     receive's sender."""
 
-    _request: P2pRequest
+    _inner: P2pRequest
     _value: list[torch.Tensor]
     _finish: Callable[[], object] | None = None  # copies a strided receive's contiguous buffer back
     _future: torch.futures.Future | None = None
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """A zero or absent timeout waits as long as the group's timeout allows."""
-        self._request.wait(timeout.total_seconds() if timeout else None)
+        self._inner.wait(timeout.total_seconds() if timeout else None)
         finish, self._finish = self._finish, None
         if finish is not None:
             finish()
         return True
 
-    def is_completed(self) -> bool:
-        return self._request.is_completed()
-
-    def is_success(self) -> bool:
-        return self.exception() is None
-
-    def exception(self) -> BaseException | None:
-        return self._request.exception()
-
     def _source_rank(self) -> int:
-        return self._request.source
+        return self._inner.source
 
     def get_future(self) -> torch.futures.Future:
         """Completed with the tensors once the call ended (a thread waits for it)."""

@@ -68,7 +68,23 @@ def finished_work(value: object) -> FinishedWork:
     return work
 
 
-class BackendWork(dist.Work):
+class DelegatingWork(dist.Work):
+    """A torch Work whose state is that of `_inner` (a ringcomm Work, or a
+    point-to-point request): is_completed, is_success and exception ask it."""
+
+    _inner: Work
+
+    def is_completed(self) -> bool:
+        return self._inner.is_completed()
+
+    def is_success(self) -> bool:
+        return self.exception() is None
+
+    def exception(self) -> BaseException | None:
+        return self._inner.exception()
+
+
+class BackendWork(DelegatingWork):
     """The torch Work of one backend call running on the comm thread. wait()
     re-raises the call's error, is_success()/exception() report it, and the
     future fails with it (torch's `_create_work_from_future` Works do none of
@@ -77,28 +93,19 @@ class BackendWork(dist.Work):
 
     def __init__(self, work: Work, value: object) -> None:
         super().__init__()
-        self._work = work
+        self._inner = work
         self._value = value
         self._future: torch.futures.Future | None = None
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Blocks until the call finished; raises its error. A zero or absent
         timeout waits as long as the group's own timeout allows."""
-        self._work.wait(timeout.total_seconds() if timeout else None)
+        self._inner.wait(timeout.total_seconds() if timeout else None)
         return True
-
-    def is_completed(self) -> bool:
-        return self._work.is_completed()
-
-    def is_success(self) -> bool:
-        return self.exception() is None
-
-    def exception(self) -> BaseException | None:
-        return self._work.exception()
 
     def get_future(self) -> torch.futures.Future:
         if self._future is None:
-            self._future = self._work.get_future(self._value)
+            self._future = self._inner.get_future(self._value)
         return self._future
 
     def result(self) -> object:

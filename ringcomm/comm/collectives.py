@@ -16,21 +16,21 @@ from __future__ import annotations
 import torch
 
 from .. import _C
-from ..core.compat import profiler_enabled
+from ..core import compat
 from ..core.ops import DTYPE_CODES, ReduceOp, dtype_code, to_reduce_op
 from . import aliasing
 from .group import Group, resolve_group
 from .work import Work
 
 # ---- the lean path: see [Note: lean path]. Each returns whether the call ran. ----
-_C._lean_setup(torch.Tensor, torch.strided, DTYPE_CODES)
+_C._lean_setup(torch.Tensor, torch.strided, DTYPE_CODES, *compat.profiler_flag())
 
 
 def lean_all_reduce(tensor: object, op: ReduceOp, group: Group) -> bool:
     """In place: `tensor` becomes its reduction over the group, here and now,
     when the call may take the lean path; False sends it down the checked one."""
     handle = group.lean_handle
-    if handle is None or profiler_enabled():
+    if handle is None:
         return False
     try:
         return _C.all_reduce_tensor(handle, tensor, op, group.timeout_s)
@@ -43,7 +43,7 @@ def lean_all_reduce(tensor: object, op: ReduceOp, group: Group) -> bool:
 def lean_reduce_scatter(output: object, input: object, op: ReduceOp, group: Group) -> bool:
     """reduce_scatter (torch's reduce_scatter_tensor) on the lean path, if it may take it."""
     handle = group.lean_handle
-    if handle is None or profiler_enabled():
+    if handle is None:
         return False
     try:
         return _C.reduce_scatter_tensors(handle, output, input, op, group.timeout_s)
@@ -56,7 +56,7 @@ def lean_reduce_scatter(output: object, input: object, op: ReduceOp, group: Grou
 def lean_all_gather(output: object, input: object, group: Group) -> bool:
     """all_gather (torch's all_gather_into_tensor) on the lean path, if it may take it."""
     handle = group.lean_handle
-    if handle is None or profiler_enabled():
+    if handle is None:
         return False
     try:
         return _C.all_gather_tensors(handle, output, input, group.timeout_s)

@@ -18,6 +18,12 @@ def profiler_enabled() -> bool:
     return _autograd_profiler._is_profiler_enabled
 
 
+def profiler_flag() -> tuple[object, str]:
+    """Where torch keeps that flag (a module and the attribute's name), for the
+    lean C++ calls, which read it themselves (csrc/cpu/module_lean.cpp)."""
+    return _autograd_profiler, "_is_profiler_enabled"
+
+
 def record_function(name: str, inputs: Sequence[torch.Tensor], kwargs: dict) -> object:
     """A profiler event with input shapes and attributes (torch.profiler's
     record_function takes neither); the caller enters and exits it."""

@@ -12,7 +12,10 @@ events are the async events torch's tools expect; the lean paths step aside
 while a profiler is active. The check is one read of torch's flag
 `torch.autograd.profiler._is_profiler_enabled` (~8 ns; the C++ query costs
 ~50 ns), which torch.profiler.profile and torch.autograd.profiler.profile set;
-a profiler started by other means records no ringcomm events.
+a profiler started by other means records no ringcomm events. The flag's one
+home is core/compat.py: Python reads it through compat.profiler_enabled(), and
+the lean C++ calls of collectives.py read it themselves (module_lean.cpp), so
+their Python path pays no call for it.
 """
 from __future__ import annotations
 
