@@ -191,6 +191,9 @@ def test_placement_and_auto_choice_are_pure():
     assert "own host" in plan_placement(("a", "b")).unsupported()
     assert [auto_transport(h) for h in (("a",) * 3, ("a", "b", "c"), HOST_MAJOR, UNEVEN)] == \
         ["shm", "torch_dist", "hierarchical", "hierarchical"]
+    cores = len(os.sched_getaffinity(0))  # simulated hosts on one machine: no spinning past its cores
+    assert ringcomm.ShmOptions().for_ranks_on_machine(cores + 1).spin_us == 0.0
+    assert ringcomm.ShmOptions().for_ranks_on_machine(cores) == ringcomm.ShmOptions()
 
 
 # Plain calls on which the ranks disagree, (what every rank passes, what the odd

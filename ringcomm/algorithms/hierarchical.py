@@ -15,7 +15,7 @@ from ..transport import agreement
 from ..transport.agreement import CallKey
 from ..transport.base import Levels
 from ..transport.link import Diagnosis
-from ..transport.placement import Placement, consecutive, shm_options_for_machine
+from ..transport.placement import Placement, consecutive, ranks_on_this_machine
 from ..transport.shm import ShmOptions, ShmTransport
 from . import ring
 from .flat_ring import TorchDistOptions, TorchDistTransport, open_torch_dist
@@ -96,7 +96,7 @@ class HierarchicalTransport:
                torch_dist: TorchDistOptions) -> HierarchicalTransport:
         """Collective over the group: an shm transport per host, a gloo ring per local rank."""
         host, local_rank = placement.host_of(rank), placement.local_rank_of(rank)
-        shm = shm_options_for_machine(store, rank, len(placement.hosts), timeout_s, shm)
+        shm = shm.for_ranks_on_machine(ranks_on_this_machine(store, rank, len(placement.hosts), timeout_s))
         local = ShmTransport.create(dist.PrefixStore(f"hier/host{host}/", store), local_rank,
                                     placement.local_world_size, timeout_s, shm)
         try:

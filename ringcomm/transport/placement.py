@@ -2,7 +2,6 @@
 transport that placement calls for; which ranks share one machine."""
 from __future__ import annotations
 
-import dataclasses
 import os
 import socket
 from collections.abc import Sequence
@@ -10,9 +9,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ..core.host import usable_cores
 from . import rendezvous
-from .shm import ShmOptions
 
 HOST_ENV = "RINGCOMM_HOST"  # overrides the host name (simulated hosts in tests and benchmarks)
 SETUP = "ringcomm group set-up"
@@ -84,20 +81,16 @@ def exchange_hosts(store: dist.Store, rank: int, world_size: int, timeout_s: flo
     return [store.get(f"host/{r}").decode() for r in range(world_size)]
 
 
-def shm_options_for_machine(store: dist.Store, rank: int, world_size: int, timeout_s: float,
-                             options: ShmOptions) -> ShmOptions:
-    """No spinning when the ranks on this machine outnumber its cores: with
+def ranks_on_this_machine(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> int:
+    """Collective: how many of the group's ranks run on this rank's machine. With
     simulated hosts (RINGCOMM_HOST, or namespaces with their own host names)
-    several shm groups share one machine, and spinning ranks of one group starve
-    the ranks of another. A machine is its kernel: the boot id, which network
-    and UTS namespaces share."""
+    several hosts share one machine. A machine is its kernel: the boot id, which
+    network and UTS namespaces share."""
     here = _machine_id()
     store.set(f"machine/{rank}", here)
     rendezvous.wait_for(store, [f"machine/{r}" for r in range(world_size)], timeout_s,
                         f"{SETUP}: rank {rank} waiting for every rank's machine name")
-    on_machine = sum(store.get(f"machine/{r}").decode() == here for r in range(world_size))
-    cores = usable_cores()
-    return dataclasses.replace(options, spin_us=0.0) if on_machine > cores else options
+    return sum(store.get(f"machine/{r}").decode() == here for r in range(world_size))
 
 
 def _machine_id() -> str:

@@ -9,6 +9,7 @@ the host (see [Note: shm names] in shm_names.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 import weakref
@@ -71,6 +72,12 @@ class ShmOptions:
             raise TypeError(f"ShmOptions: cma={self.cma!r} must be a bool")
         if self.p2p_slot_nbytes % 64:
             raise ValueError(f"ShmOptions: p2p_slot_nbytes={self.p2p_slot_nbytes} must be a multiple of 64")
+
+    def for_ranks_on_machine(self, ranks: int) -> ShmOptions:
+        """These options for a group whose machine runs `ranks` ranks of it, in
+        all its groups: no spinning when they outnumber the cores, or spinning
+        ranks of one group starve those of another (simulated hosts)."""
+        return dataclasses.replace(self, spin_us=0.0) if ranks > usable_cores() else self
 
     def p2p_slot_nbytes_for(self, world_size: int) -> int:
         """The point-to-point slot size of a group of `world_size` ranks: p2p_slot_nbytes,
