@@ -132,6 +132,10 @@ def stop_mid_call(rank, world_size, transport, signal_dir):
         if rank == 0:
             killer.join()
             assert stop_began, f"{case}: rank 0's second thread failed"
+            # Rank 1's call must meet rank 0's stopped group, not a rank 0 that already tore it down.
+            _wait_for(f"{case}: rank 1's call to end", (signal_dir / f"{case.replace(' ', '-')}-done").exists)
+        else:
+            (signal_dir / f"{case.replace(' ', '-')}-done").touch()
         result = outcome[0]
         aborted = kill == "abort"
         if isinstance(result, torch.Tensor):

@@ -110,7 +110,8 @@ def test_wheel_installs_and_runs_outside_the_checkout(installed_wheel, tmp_path)
     work = tmp_path / "elsewhere"
     work.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    where = run([python, "-c", "import torch, ringcomm, zero; from ringcomm import cuda_kernels, cuda_quant, quant; "
+    where = run([python, "-c", "import torch, ringcomm, zero; "
+                 "from ringcomm.kernels import cuda as cuda_kernels, cuda_quant, quant; "
                  "x = torch.linspace(-1, 1, 100); q = quant.quantize(x, bits=8, block=32); "
                  "y = quant.dequantize(*q, out=torch.empty(100), bits=8, block=32); "
                  "assert (y - x).abs().max() <= 1 / 254 + 1e-7, (y - x).abs().max(); "
