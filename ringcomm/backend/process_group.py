@@ -45,7 +45,7 @@ STORE_PREFIX = "ringcomm-backend/"
 # made of them) on dense CPU tensors of any dtype -> the transport's channels
 # where it has them (shm: [Note: p2p channels] in csrc/cpu/shm_p2p.cpp), else the
 # internal gloo group (torch_dist, hierarchical: the way across hosts), through
-# backend_p2p either way (the group's timeout, named errors, ringcomm:send/recv
+# backend/p2p.py either way (the group's timeout, named errors, ringcomm:send/recv
 # events). Never queued on the comm thread: a posted call returns at once, and
 # its Work makes progress when waited (a recv waiting on the comm thread would
 # stall the send its peer posts after it). Sparse tensors -> gloo as they are.
