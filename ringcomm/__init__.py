@@ -17,6 +17,7 @@ torch.distributed backend).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import types
 
 from .core.on_import import after_import
@@ -44,7 +45,6 @@ _HOMES = {
     "Work": "comm.work",
 }
 _MODULES = {"process_group": "backend.process_group"}
-_ROOMS = ("plan", "core", "kernels", "observe", "transport", "algorithms", "comm", "buckets", "backend")
 
 __all__ = sorted([*_HOMES, *_MODULES])
 
@@ -52,8 +52,8 @@ __all__ = sorted([*_HOMES, *_MODULES])
 def __getattr__(name: str) -> object:
     if name in _HOMES:
         value = getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)
-    elif name in _MODULES or name in _ROOMS:
-        value = importlib.import_module(f".{_MODULES.get(name, name)}", __name__)
+    elif name in _MODULES or (not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}")):
+        value = importlib.import_module(f".{_MODULES.get(name, name)}", __name__)  # a room, or process_group
     else:
         raise AttributeError(f"module 'ringcomm' has no attribute {name!r}")
     globals()[name] = value
@@ -61,7 +61,7 @@ def __getattr__(name: str) -> object:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__, *_ROOMS})
+    return sorted({*globals(), *__all__})
 
 
 def _register(torch: types.ModuleType) -> None:

@@ -48,7 +48,8 @@ def test_every_public_name_resolves() -> None:
     for name in ringcomm.__all__:
         assert getattr(ringcomm, name) is not None, name
     assert ringcomm.all_reduce.__module__ == "ringcomm.comm.collectives"
-    assert ringcomm.backend.process_group.__name__ == "ringcomm.backend.process_group"
+    assert ringcomm.process_group.__name__ == "ringcomm.backend.process_group"
+    assert ringcomm.observe.__name__ == "ringcomm.observe"  # a room, by attribute, loaded on first use
     assert set(ringcomm.__all__) <= set(dir(ringcomm))
     with pytest.raises(AttributeError, match="no attribute 'all_reduse'"):
         ringcomm.all_reduse
