@@ -40,6 +40,8 @@ def _init_and_run(worker: Callable, args, timeout_s: float, backend: str = "gloo
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if backend == "ringcomm":
+        import ringcomm  # noqa: F401  (registers the backend)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ["RANK"])) % torch.cuda.device_count())
     dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s))

@@ -39,14 +39,20 @@ def train_step(engine, rank: int, step: int) -> None:
     engine.step()
 
 
-def check_memory_and_wire(rank: int, world_size: int, stage: int, dtype_name: str, backend: str) -> None:
-    case = f"rank {rank}/{world_size} stage {stage} {dtype_name} {backend}"
+def check_memory_and_wire(rank: int, world_size: int, stage: int, dtype_name: str, backend: str,
+                          reuse: int | None = 0) -> None:
+    """reuse: stage3_max_reuse_distance (None: DeepSpeed's default, 1e9). With 0
+    backward gathers every unit again (3 ring phases); with the default this
+    small model is kept gathered from forward to backward (2 phases)."""
+    case = f"rank {rank}/{world_size} stage {stage} {dtype_name} {backend} reuse {reuse}"
     model = make_mlp()
     psi = sum(p.numel() for p in model.parameters())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cfg = config(stage, dtype_name)
         cfg["comm_backend"] = backend  # the config key (zero.initialize's argument would win)
+        if reuse is not None:
+            cfg["zero_optimization"]["stage3_max_reuse_distance"] = reuse
         engine, *_ = zero.initialize(model=model, config=cfg)
     for step in range(2):
         train_step(engine, rank, step)
@@ -65,8 +71,11 @@ def check_memory_and_wire(rank: int, world_size: int, stage: int, dtype_name: st
         assert engine.parts.gatherer.peak_live_nbytes > bucket_nbytes, f"{case}: no prefetch"
     assert engine.parts.comm.kind == ("torch" if backend == "torch" else "ringcomm"), case
     sent_elements = engine.wire_report().sent_nbytes / 2  # fp16 / bf16 elements
-    expected_wire = WIRE[stage] * psi * (world_size - 1) / world_size
+    phases = 2 if stage == 3 and reuse is None else WIRE[stage]
+    expected_wire = phases * psi * (world_size - 1) / world_size
     assert abs(sent_elements - expected_wire) <= 3 * padding + 16, f"{case}: sent {sent_elements} vs {expected_wire}"
+    kept = 2 * sum(b.span.numel for b in group.buckets) if stage == 3 and reuse is None else 0
+    assert report.kept_gathered_nbytes == kept, f"{case}: {report.kept_gathered_nbytes} B kept, expected {kept}"
 
 
 def check_forced_overflow(rank: int, world_size: int, stage: int, static: bool = False) -> list[float]:
@@ -140,6 +149,8 @@ def accounting_worker(rank: int, world_size: int) -> list[list[float]]:
         for dtype_name in ("fp16", "bf16"):
             check_memory_and_wire(rank, world_size, stage, dtype_name, "ringcomm")
         check_memory_and_wire(rank, world_size, stage, "bf16", "torch")
+        if stage == 3:
+            check_memory_and_wire(rank, world_size, stage, "bf16", "ringcomm", reuse=None)
     return [check_forced_overflow(rank, world_size, stage) for stage in (0, 1, 2, 3)] + \
         [check_forced_overflow(rank, world_size, 2, static=True)]
 

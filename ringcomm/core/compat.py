@@ -82,3 +82,9 @@ def zip_file_reader(path: str) -> object:
 def device_types(pg: dist.ProcessGroup) -> list[torch.device]:
     """The device types a process group has a backend for (no public query)."""
     return pg._device_types
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass on this thread
+    (a checkpointed module recomputing its forward, for instance)."""
+    return torch._C._current_graph_task_id() != -1

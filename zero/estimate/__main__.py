@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reduce-bucket-size", type=float, default=5e8)
     parser.add_argument("--stage3-prefetch-bucket-size", type=float, default=5e7)
     parser.add_argument("--stage3-max-live-parameters", type=float, default=1e9)
+    parser.add_argument("--stage3-max-reuse-distance", type=float, default=1e9)
     parser.add_argument("--stage3-param-persistence-threshold", type=int, default=100_000)
     parser.add_argument("--write", help="write the first configuration that fits as a DeepSpeed JSON config")
     args = parser.parse_args(argv)
@@ -50,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
                           ranks_per_node=args.ranks_per_node, reduce_bucket_size=args.reduce_bucket_size,
                           prefetch_bucket_size=args.stage3_prefetch_bucket_size,
                           max_live_parameters=args.stage3_max_live_parameters,
-                          persistence_threshold=args.stage3_param_persistence_threshold)
+                          persistence_threshold=args.stage3_param_persistence_threshold,
+                          max_reuse_distance=args.stage3_max_reuse_distance)
     except (ValueError, TypeError) as error:
         parser.error(str(error))
     print(result.report())

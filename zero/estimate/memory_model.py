@@ -141,14 +141,20 @@ class Buffers(NamedTuple):
 
 
 def comm_buffers(num_params: float, stage: int, param_bytes: int, *, reduce_bucket_size: float,
-                 prefetch_bucket_size: float, max_live_parameters: float, largest_layer: float) -> Buffers:
+                 prefetch_bucket_size: float, max_live_parameters: float, largest_layer: float,
+                 max_reuse_distance: float = 0) -> Buffers:
     """Stages 2-3 reduce from one transient bucket of reduce_bucket_size
-    elements; stage 3 holds the module in use plus the prefetched ones, at most
+    elements; stage 3 holds the unit in use plus the prefetched ones, or at the
+    turn from forward to backward the units kept for backward (a suffix of
+    forward within half the reuse distance, [Note: reuse distance] in
+    ringcomm/plan/gathers.py) plus the prefetched ones; at most
     stage3_max_live_parameters."""
     gradient = min(reduce_bucket_size, num_params) * param_bytes if stage >= 2 else 0
     gathered = 0
     if stage == 3:
-        gathered = min(max_live_parameters, largest_layer + prefetch_bucket_size, num_params) * param_bytes
+        kept = min(max_reuse_distance / 2 + largest_layer, num_params) if max_reuse_distance > 0 else 0
+        in_use = max(largest_layer, kept) + prefetch_bucket_size
+        gathered = min(max_live_parameters, in_use, num_params) * param_bytes
     return Buffers(gradient, gathered)
 
 
@@ -183,6 +189,7 @@ class Job:
     reduce_bucket_size: float = 5e8
     prefetch_bucket_size: float = 5e7
     max_live_parameters: float = 1e9
+    max_reuse_distance: float = 1e9
 
 
 def need(job: Job, plan: Plan) -> Need:
@@ -199,7 +206,8 @@ def need(job: Job, plan: Plan) -> Need:
         offloaded, device_params = offloaded + device_params - whole, whole
     buffers = comm_buffers(psi, plan.stage, p, reduce_bucket_size=job.reduce_bucket_size,
                            prefetch_bucket_size=job.prefetch_bucket_size,
-                           max_live_parameters=job.max_live_parameters, largest_layer=job.largest_layer)
+                           max_live_parameters=job.max_live_parameters, largest_layer=job.largest_layer,
+                           max_reuse_distance=job.max_reuse_distance)
     acts = 0.0
     if job.shape is not None:
         shape = replace(job.shape, micro_batch=plan.micro_batch)

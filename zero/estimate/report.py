@@ -168,7 +168,8 @@ def estimate(params: float | str | None = None, ranks: int = 1, *, model: str | 
              device_memory: float | str | None = None, host_memory: float | str | None = None,
              nvme: float | str | None = None, ranks_per_node: int | None = None,
              reduce_bucket_size: float = 5e8, prefetch_bucket_size: float = 5e7,
-             max_live_parameters: float = 1e9, persistence_threshold: int = 100_000) -> Estimate:
+             max_live_parameters: float = 1e9, persistence_threshold: int = 100_000,
+             max_reuse_distance: float = 1e9) -> Estimate:
     """Memory per rank for `params` parameters (or `model`, counted on the meta
     device, or `shape`'s GPT-style count); with `device_memory`, the ladder.
     Host and NVMe sizes are per node (`ranks_per_node`, default all ranks)."""
@@ -186,7 +187,7 @@ def estimate(params: float | str | None = None, ranks: int = 1, *, model: str | 
     if not largest and shape is not None:
         largest = 4 * shape.hidden * shape.hidden
     job = mm.Job(num_params, ranks, largest, resident, shape, mixed_precision, reduce_bucket_size,
-                 prefetch_bucket_size, max_live_parameters)
+                 prefetch_bucket_size, max_live_parameters, max_reuse_distance)
     result = Estimate(job, shape.micro_batch if shape else 1)
     for stage in mm.STAGES:
         result.stage_rows.append(StageRow(stage, mm.model_states(num_params, ranks, stage, mm.MIXED, resident).total,
@@ -195,7 +196,7 @@ def estimate(params: float | str | None = None, ranks: int = 1, *, model: str | 
         result.buffer_rows.append((stage, mm.comm_buffers(
             num_params, stage, 2 if mixed_precision else 4, reduce_bucket_size=reduce_bucket_size,
             prefetch_bucket_size=prefetch_bucket_size, max_live_parameters=max_live_parameters,
-            largest_layer=largest)))
+            largest_layer=largest, max_reuse_distance=max_reuse_distance)))
     if shape is not None:
         element = 2 if mixed_precision else 4
         result.activation_rows = [

@@ -13,7 +13,7 @@ from ..monitor.step_log import StepLog
 from ..offload.host import HostParamGroup
 from ..offload.nvme_params import NvmeParamGroup
 from ..sharding import init as zero_init
-from ..sharding import zeropp
+from ..sharding import units, zeropp
 from ..sharding.gather import ModuleGatherer
 from ..sharding.param_group import ParamGroup, build_buckets
 from ..sharding.seam import make_comm, make_partition_comm
@@ -57,36 +57,16 @@ def trainable_params(model: nn.Module) -> list[nn.Parameter]:
 
 def plan_layout(model: nn.Module, params: list[nn.Parameter], cfg: config_mod.EngineConfig,
                 world_size: int) -> tuple[BufferLayout, dict[nn.Module, tuple[int, ...]]]:
-    """The buckets (ringcomm.plan.layout) and, for stage 3, the buckets each module
-    gathers around its use (persistent parameters stay whole in a resident bucket)."""
+    """The buckets (ringcomm.plan.layout) and, for stage 3, the buckets each gather
+    unit (sharding/units.py) gathers around its use (persistent parameters stay
+    whole in a resident bucket)."""
     numels = [zero_init.full_numel(p) for p in params]
     if not cfg.zero.policy.shard_params:
         return plan_buckets(numels, world_size=world_size, bucket_numel=cfg.zero.reduce_bucket_size), {}
-    modules, groups = module_groups(model, params)
+    modules, groups = units.gather_units(model, params, cfg.zero.gather_unit)
     plan = plan_module_buckets(groups, numels, world_size=world_size,
                                persistence_threshold=cfg.zero.param_persistence_threshold)
     return plan.layout, {modules[m]: uses for m, uses in enumerate(plan.uses) if uses}
-
-
-WHOLE_MODULES = (nn.MultiheadAttention,)  # use their children's parameters without calling the children
-
-
-def module_groups(model: nn.Module, params: list[nn.Parameter]) -> tuple[list[nn.Module], list[list[int]]]:
-    """Stage 3: each module with parameters of its own and the indices of those
-    parameters; a WHOLE_MODULES module takes its whole subtree."""
-    index_of = {id(p): i for i, p in enumerate(params)}
-    modules, groups, inside = [], [], set()
-    for module in model.modules():
-        if id(module) in inside:
-            continue
-        whole = isinstance(module, WHOLE_MODULES)
-        if whole:
-            inside.update(id(m) for m in module.modules())
-        indices = [index_of[id(p)] for p in module.parameters(recurse=whole) if id(p) in index_of]
-        if indices:
-            modules.append(module)
-            groups.append(indices)
-    return modules, groups
 
 
 def make_group(buckets: list, cfg: config_mod.EngineConfig, comm, optimizer: torch.optim.Optimizer) -> ParamGroup:
@@ -186,7 +166,8 @@ def assemble(model: nn.Module, cfg: config_mod.EngineConfig, activation: checkpo
         zero_init.attach(group)
         gatherer = ModuleGatherer({m: [buckets[i] for i in uses] for m, uses in module_uses.items()}, group,
                                   prefetch_numel=cfg.zero.prefetch_bucket_size,
-                                  max_live_numel=cfg.zero.max_live_parameters)
+                                  max_live_numel=cfg.zero.max_live_parameters,
+                                  max_reuse_numel=cfg.zero.max_reuse_distance)
         gatherer.register()
     scheduler = make_scheduler(lr_scheduler, optimizer, cfg)
     scaler = make_scaler(dtype, cfg.scaler)

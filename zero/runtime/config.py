@@ -11,7 +11,7 @@ from ..monitor.config import parse as parse_monitoring
 from ..offload.config import AioOptions, OffloadOptions, parse_aio, parse_offload
 from ..optim.config import parse_optimizer, parse_scheduler
 from ..parsing.values import AUTO, as_bool, as_float, as_int, get, load, section_of, warn_unknown
-from ..sharding import zeropp
+from ..sharding import units, zeropp
 from ..sharding.policy import STAGES, ShardingPolicy
 from .no_effect import warn_no_effect
 from .precision import ScalerOptions
@@ -32,7 +32,7 @@ ZERO_KEYS = {
     "stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "contiguous_gradients", "reduce_scatter",
     "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_max_live_parameters",
     "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save", "sub_group_size", "offload_optimizer",
-    "offload_param", "allgather_partitions", "round_robin_gradients", *zeropp.KEYS}
+    "offload_param", "allgather_partitions", "round_robin_gradients", "stage3_gather_unit", *zeropp.KEYS}
 FP16_KEYS = {"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
              "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads"}
 BF16_KEYS = {"enabled", "immediate_grad_update", "check_grad_overflow"}
@@ -60,6 +60,8 @@ class ZeroOptions:
     prefetch_bucket_size: int = 50_000_000  # >= 0 stage-3 elements gathered ahead of use
     param_persistence_threshold: int = 100_000  # >= 0: stage-3 parameters this small stay whole
     max_live_parameters: int = 1_000_000_000  # >= 0 stage-3 elements gathered at once
+    max_reuse_distance: int = 1_000_000_000  # >= 0: a stage-3 unit reused within this many elements stays gathered
+    gather_unit: str = "block"  # stage 3: "block" | "module" ([Note: gather units], sharding/units.py)
     sub_group_size: int = 1_000_000_000  # >= 1 elements per NVMe optimizer sub-group
     offload_optimizer_options: OffloadOptions = field(default_factory=OffloadOptions)  # offload/config.py
     offload_param_options: OffloadOptions = field(default_factory=lambda: OffloadOptions(buffer_count=5))
@@ -150,7 +152,7 @@ def _zero(section: dict, facts: ModelFacts) -> ZeroOptions:
         ("stage3_prefetch_bucket_size", d.prefetch_bucket_size, int(0.9 * h * h), 0),
         ("stage3_param_persistence_threshold", d.param_persistence_threshold, 10 * h, 0),
         ("stage3_max_live_parameters", d.max_live_parameters, d.max_live_parameters, 0),
-        ("stage3_max_reuse_distance", 1_000_000_000, 1_000_000_000, 0),
+        ("stage3_max_reuse_distance", d.max_reuse_distance, d.max_reuse_distance, 0),
         ("sub_group_size", d.sub_group_size, d.sub_group_size, 1))}
     flags = {key: as_bool(get(section, key, default, default), z + key) for key, default in (
         ("overlap_comm", True), ("contiguous_gradients", True), ("reduce_scatter", True),
@@ -164,6 +166,7 @@ def _zero(section: dict, facts: ModelFacts) -> ZeroOptions:
         prefetch_bucket_size=sizes["stage3_prefetch_bucket_size"],
         param_persistence_threshold=sizes["stage3_param_persistence_threshold"],
         max_live_parameters=sizes["stage3_max_live_parameters"],
+        max_reuse_distance=sizes["stage3_max_reuse_distance"], gather_unit=units.parse(section),
         sub_group_size=sizes["sub_group_size"], offload_optimizer_options=offload_optimizer,
         offload_param_options=offload_param, zeropp=zeropp.parse(section, stage))
 

@@ -287,7 +287,8 @@ class ZeroEngine:
         """Model-state bytes this rank holds, communication buffers apart, and
         the peak of checkpointed inputs held since stats().reset()."""
         gatherer = self.parts.gatherer
-        report = memory_report(self.parts.group, self.optimizer, gatherer.peak_live_nbytes if gatherer else 0)
+        report = memory_report(self.parts.group, self.optimizer, gatherer.peak_live_nbytes if gatherer else 0,
+                               gatherer.kept_nbytes if gatherer else 0)
         activation = self.parts.activation or checkpointing.current()
         return replace(report, checkpoint_nbytes=activation.stats.peak_held_nbytes)
 

@@ -53,8 +53,6 @@ NO_EFFECT: dict[str, tuple[Callable[[object], bool], str]] = {
     "zero_optimization.round_robin_gradients": (_is(False), "buckets are owner-aligned; there is no round robin"),
     "zero_optimization.zero_quantized_nontrainable_weights": (
         _is(False), "frozen parameters are not partitioned (every rank keeps them whole): none is gathered"),
-    "zero_optimization.stage3_max_reuse_distance": (
-        _never, "released parameters are gathered again when next needed (stage3_max_live_parameters bounds them)"),
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": (
         _is(True), "save_16bit_model always gathers the whole model on rank 0"),
 }

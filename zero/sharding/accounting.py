@@ -28,6 +28,9 @@ class MemoryReport:
     # hpZ (zero_hpz_partition_size): the secondary partition, 1/size of every gathered bucket, held from a
     # bucket's forward to the step; part of the comm side, not of the model states' 16 psi / N
     secondary_params_nbytes: int = 0
+    # stage 3: the gathered units a forward keeps for its backward ([Note: reuse distance] in
+    # ringcomm/plan/gathers.py: stage3_max_reuse_distance, stage3_max_live_parameters); part of comm_buffer_nbytes
+    kept_gathered_nbytes: int = 0
 
     @property
     def model_state_nbytes(self) -> int:
@@ -52,7 +55,8 @@ class _Storages:
         return total
 
 
-def memory_report(group: ParamGroup, optimizer: torch.optim.Optimizer, gathered_nbytes: int = 0) -> MemoryReport:
+def memory_report(group: ParamGroup, optimizer: torch.optim.Optimizer, gathered_nbytes: int = 0,
+                  kept_nbytes: int = 0) -> MemoryReport:
     """Measured between steps (stage 3 units resharded, no transient buckets)."""
     storages = _Storages()
     params = storages.nbytes(b.full if b.span.resident else b.shard for b in group.buckets)
@@ -71,7 +75,8 @@ def memory_report(group: ParamGroup, optimizer: torch.optim.Optimizer, gathered_
         b.span.numel // group.secondary.size * b.shard.element_size() for b in group.buckets if not b.span.resident)
     return MemoryReport(params, grads, on_host + on_device, group.scheduler.peak_transient_nbytes + gathered_nbytes,
                         persistent_params_nbytes=persistent, device_nbytes=params + persistent + grads + on_device,
-                        host_nbytes=on_host + staging, disk_nbytes=disk, secondary_params_nbytes=secondary)
+                        host_nbytes=on_host + staging, disk_nbytes=disk, secondary_params_nbytes=secondary,
+                        kept_gathered_nbytes=kept_nbytes)
 
 
 def _optimizer_tensors(bucket, optimizer: torch.optim.Optimizer):

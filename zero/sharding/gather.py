@@ -16,6 +16,13 @@ forward. Inside saved_weights(), a saved view of a gathered bucket is kept as
 (bucket, offset, size, stride) instead and rebuilt on use from the bucket as
 gathered again for backward (DeepSpeed's LinearFunctionForZeroStage3 does this
 for Linear only).
+
+[Note: recomputed forward]
+A checkpointed unit runs its forward again inside backward (activation
+checkpointing), with its hooks. Its backward then uses the parameters as that
+recomputation left them, with no hook of its own in between when the unit is
+a whole block, so the post-forward hook of a recomputation leaves the unit
+gathered; the scheduler reshards it after its gradients, as for any unit.
 """
 from __future__ import annotations
 
@@ -24,9 +31,18 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ringcomm.core.compat import tree_flatten
+from ringcomm.core.compat import in_backward, tree_flatten
+from ringcomm.plan.gathers import plan_forward_keeps
 
 from .param_group import ParamGroup, ZeroBucket
+
+
+def _dense(numels: dict[int, int]) -> list[int]:
+    """{bucket index: numel} as a list indexed by bucket index (0 where none)."""
+    dense = [0] * (max(numels, default=-1) + 1)
+    for index, numel in numels.items():
+        dense[index] = numel
+    return dense
 
 
 class SavedSlice(NamedTuple):
@@ -44,12 +60,17 @@ class ModuleGatherer:
     bucket) and the forward order used for prefetch."""
 
     def __init__(self, module_buckets: dict[nn.Module, list[ZeroBucket]], group: ParamGroup, *, prefetch_numel: int,
-                 max_live_numel: int) -> None:
+                 max_live_numel: int, max_reuse_numel: int = 0) -> None:
         self.module_buckets = module_buckets
         self.buckets = list({id(b): b for bs in module_buckets.values() for b in bs}.values())
         self.group = group
         self.prefetch_numel = prefetch_numel  # stage3_prefetch_bucket_size
         self.max_live_numel = max_live_numel  # stage3_max_live_parameters
+        self.max_reuse_numel = max_reuse_numel  # stage3_max_reuse_distance: [Note: reuse distance]
+        self.calls: list[tuple[nn.Module, tuple[int, ...]]] = []  # this forward's unit calls, bucket indices each
+        self.recorded: list[tuple[nn.Module, tuple[int, ...]]] = []  # the last forward's, which `keeps` plans
+        self.keeps: tuple[frozenset[int], ...] = ()  # per recorded call: buckets its post-forward keeps gathered
+        self.positions: list[int] = []  # the calls whose forward is running (units may nest)
         self.order: list[ZeroBucket] = []  # forward order of the last forward
         self.current: list[ZeroBucket] = []
         self.in_use: dict[int, int] = {}  # id(bucket) -> modules in forward using it (nested modules may share one)
@@ -65,6 +86,14 @@ class ModuleGatherer:
     def start_forward(self) -> None:
         if self.current:
             self.order = self.current
+        if self.calls and self.calls != self.recorded:
+            self.recorded = self.calls
+            numels = {b.span.index: b.span.numel for b in self.buckets}
+            self.keeps = plan_forward_keeps([indices for _, indices in self.calls], _dense(numels),
+                                            max_reuse_numel=self.max_reuse_numel, max_live_numel=self.max_live_numel)
+        for bucket in self.buckets:  # kept or prefetched for a backward that did not come
+            self.group.reshard(bucket)
+        self.calls, self.positions = [], []
         self.current = []
         self.in_use.clear()  # a forward that raised left its counts behind
         self.gathered.clear()
@@ -121,8 +150,23 @@ class ModuleGatherer:
             self.group.unshard(bucket, backward=direction < 0)
         self._prefetch(buckets[-1], direction)
 
+    @property
+    def kept_nbytes(self) -> int:
+        """Bytes of the buckets the forward keeps gathered for backward ([Note: reuse distance])."""
+        kept = set().union(*self.keeps)
+        return sum(b.span.numel * b.shard.element_size() for b in self.buckets if b.span.index in kept)
+
+    def _keeps_at(self, position: int, module: nn.Module) -> frozenset[int]:
+        """What the plan keeps after this call, if the forward follows the recorded one."""
+        if position < len(self.recorded) and self.recorded[position][0] is module and torch.is_grad_enabled():
+            return self.keeps[position]
+        return frozenset()
+
     def _pre_forward(self, module: nn.Module, args: tuple) -> None:
         buckets = self.module_buckets[module]
+        if not in_backward():
+            self.positions.append(len(self.calls))
+            self.calls.append((module, tuple(b.span.index for b in buckets)))
         for bucket in buckets:
             if bucket not in self.current:
                 self.current.append(bucket)
@@ -138,9 +182,11 @@ class ModuleGatherer:
             for tensor in tree_flatten(output)[0]:
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                     tensor.register_hook(self._pre_backward(buckets))
+        recomputing = in_backward()  # see [Note: recomputed forward]
+        keep = frozenset() if recomputing else self._keeps_at(self.positions.pop(), module)
         for bucket in buckets:
             self.in_use[id(bucket)] -= 1
-            if not self.in_use[id(bucket)]:
+            if not self.in_use[id(bucket)] and not recomputing and bucket.span.index not in keep:
                 self.group.reshard(bucket)
 
     def _pre_backward(self, buckets: list[ZeroBucket]):
