@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 
 from launch import launch  # benchmarks/ is on sys.path: this file runs as a script
+from peers_setup import floor_backend
 
 SIZES = {"all_reduce": (8, 4096, 65536, 1 << 20), "all_gather": (8, 4096), "reduce_scatter": (8, 4096)}
 
@@ -73,40 +74,6 @@ def time_row(fn: Callable[[], object], reps: int, target_s: float) -> tuple[floa
             fn()
         means.append((time.perf_counter() - start) / iterations * 1e6)
     return statistics.median(means), min(means)
-
-
-def floor_backend():
-    """A Python ProcessGroup whose collectives do nothing and return one pre-made
-    finished Work: what torch's dispatch to any Python backend costs."""
-    import torch.distributed as dist
-
-    class DoneWork(dist.Work):
-        def wait(self, timeout=None) -> bool:
-            return True
-
-    class FloorGroup(dist.ProcessGroup):
-        def __init__(self, store, rank, world_size, timeout) -> None:
-            super().__init__(rank, world_size)
-            self._done = DoneWork()
-
-        def getBackendName(self) -> str:
-            return "rcfloor"
-
-        def allreduce(self, tensors, opts=None):
-            return self._done
-
-        def all_gather_single(self, output, input, opts=None):
-            return self._done
-
-        def reduce_scatter_single(self, output, input, opts=None):
-            return self._done
-
-        _allgather_base = all_gather_single
-        _reduce_scatter_base = reduce_scatter_single
-
-    if "RCFLOOR" not in dist.Backend._plugins:
-        dist.Backend.register_backend("rcfloor", FloorGroup, devices=["cpu"])
-    return dist.new_group(backend="rcfloor")
 
 
 def fake_backend():

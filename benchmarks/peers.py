@@ -1,7 +1,10 @@
 """ringcomm against its peers on one host, in one interleaved run: ringcomm on
 plain tensors, on ringcomm.empty windows and through dist.* (a "ringcomm"
 group), Open MPI through mpi4py, DeepSpeed's shm inference_all_reduce, gloo,
-and one memcpy (the limit line); all_reduce, reduce_scatter and all_gather,
+and two limit lines: one memcpy, and dist.* into a no-op Python backend
+(dist_floor: what torch's dispatch to any Python backend costs, so that
+"dist.* time / floor" compares ringcomm's backend with it in the same run).
+The header names the CPU and the kernels it runs; all_reduce, reduce_scatter and all_gather,
 float32, busbw GB/s nccl-tests style (see bus_bw.py), the time in us at 8 B.
 --ops send_recv times point-to-point instead: a ping-pong between rank pairs
 (0, 1), (2, 3), ...: the time of one message (half a round trip) and its
@@ -40,7 +43,7 @@ from launch import _free_port, launch, under_launcher  # noqa: E402
 from peers_setup import (busy_processes, find_mpirun, mpi_unavailable_reason, mpirun_command,  # noqa: E402
                          mpirun_env, run_bounded)
 
-ALL_PEERS = ("rc_plain", "rc_window", "rc_dist", "mpi", "deepspeed", "gloo", "memcpy")
+ALL_PEERS = ("rc_plain", "rc_window", "rc_dist", "dist_floor", "mpi", "deepspeed", "gloo", "memcpy")
 DEFAULT_SIZES = ("8", "512", "4K", "64K", "1M", "16M", "128M")
 QUICK_SIZES = ("8", "4K", "64K")
 

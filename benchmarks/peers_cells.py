@@ -21,11 +21,14 @@ import ringcomm
 from bus_bw_cases import GATHER, SCATTER
 from ringcomm import _C
 
-# Column order of the table; "memcpy" is the limit line, not a collective.
-PEERS = ("rc_plain", "rc_window", "rc_dist", "mpi", "deepspeed", "gloo", "memcpy")
+# Column order of the table; "memcpy" and "dist_floor" are limit lines, not collectives:
+# a copy of the buffer, and dist.* into a backend that does nothing (its result is not checked).
+PEERS = ("rc_plain", "rc_window", "rc_dist", "dist_floor", "mpi", "deepspeed", "gloo", "memcpy")
+NO_RESULT = ("dist_floor",)  # peers whose calls change no tensor
 BEST_OF = ("mpi", "deepspeed", "gloo")  # the peers ringcomm is compared with
 POINT_TO_POINT = ("send_recv",)  # a ping-pong: each call is a round trip of one message
-PEER_OPS = {"deepspeed": ("all_reduce",), "rc_window": ("all_reduce", "reduce_scatter", "all_gather")}  # not every op
+PEER_OPS = {"deepspeed": ("all_reduce",), "rc_window": ("all_reduce", "reduce_scatter", "all_gather"),
+            "dist_floor": ("all_reduce", "reduce_scatter", "all_gather")}  # not every op
 DTYPE = torch.float32
 
 
@@ -34,6 +37,7 @@ class Handles:
     """What the peers run on, made once per rank (None: that peer is off)."""
     group: ringcomm.Group | None = None  # ringcomm.new_group(): rc_plain, rc_window
     backend_group: dist.ProcessGroup | None = None  # dist.new_group(backend="ringcomm"): rc_dist
+    floor_group: dist.ProcessGroup | None = None  # peers_setup.floor_backend(): dist_floor
     mpi_comm: object = None  # mpi4py's COMM_WORLD
     mpi: object = None  # the mpi4py.MPI module
     deepspeed_comm: object = None  # deepspeed.comm, initialized with its shm op
@@ -79,8 +83,8 @@ def make_call(peer: str, op: str, bufs: Buffers, handles: Handles, rank: int) ->
         return {"all_reduce": lambda: ringcomm.all_reduce(full, group=group),
                 "reduce_scatter": lambda: ringcomm.reduce_scatter(chunk, full, group=group),
                 "all_gather": lambda: ringcomm.all_gather(full, chunk, group=group)}[op]
-    if peer in ("rc_dist", "gloo"):
-        group = handles.backend_group if peer == "rc_dist" else None
+    if peer in ("rc_dist", "dist_floor", "gloo"):
+        group = {"rc_dist": handles.backend_group, "dist_floor": handles.floor_group}.get(peer)
         return {"all_reduce": lambda: dist.all_reduce(full, group=group),
                 "reduce_scatter": lambda: SCATTER(chunk, full, group=group),
                 "all_gather": lambda: GATHER(full, chunk, group=group)}[op]
@@ -175,9 +179,12 @@ def expected_result(peer: str, op: str, bufs: Buffers, rank: int, world_size: in
 
 
 def count_wrong(peer: str, op: str, bufs: Buffers, call: Callable[[], object], rank: int, world_size: int) -> int:
-    """Runs the call once on the pattern; elements wrong on any rank (a collective)."""
+    """Runs the call once on the pattern; elements wrong on any rank (a collective).
+    A peer of NO_RESULT has none to check: 0."""
     fill_inputs(peer, op, bufs, rank)
     call()
+    if peer in NO_RESULT:
+        return 0
     actual, expected = expected_result(peer, op, bufs, rank, world_size)
     if actual.shape != expected.shape:
         wrong = torch.tensor([-1])

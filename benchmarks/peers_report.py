@@ -11,6 +11,7 @@ from peers_cells import BEST_OF, DTYPE, PEERS, POINT_TO_POINT, numel_for
 from ringcomm.plan.schedule import bus_factor
 
 LABELS = {"rc_plain": "ringcomm plain", "rc_window": "ringcomm windows", "rc_dist": "ringcomm dist.*",
+          "dist_floor": "dist.* floor (no-op pg)",
           "mpi": "Open MPI", "deepspeed": "DeepSpeed shm", "gloo": "gloo", "memcpy": "memcpy"}
 TIME_MAX_NBYTES = 8  # sizes up to this show the time in us, not busbw
 
@@ -77,10 +78,20 @@ def ratio(stats: dict, op: str, nbytes: int, peer: str) -> tuple[float | None, s
     return (value / best if higher else best / value), best_peer
 
 
+def over_floor(stats: dict, op: str, nbytes: int) -> float | None:
+    """dist.* on ringcomm's time over the no-op backend's, both measured in this run
+    (> 1: what ringcomm adds to torch's dispatch)."""
+    mine, floor = stats.get((op, nbytes, "rc_dist")), stats.get((op, nbytes, "dist_floor"))
+    if mine is None or floor is None or mine["wrong"] != 0:
+        return None
+    return mine["time_us"]["median"] / floor["time_us"]["median"]
+
+
 def main_table(args, peers_asked: list[str], stats: dict) -> list[str]:
     """The markdown table: one row per (op, size), one column per peer, then ratios."""
     columns = [p for p in PEERS if p in peers_asked]
-    head = ["op / size"] + [LABELS[p] for p in columns] + ["plain / best", "dist.* / best", "best peer"]
+    head = (["op / size"] + [LABELS[p] for p in columns] + ["plain / best", "dist.* / best"]
+            + (["dist.* time / floor"] if "dist_floor" in columns else []) + ["best peer"])
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for op in args.ops:
         for nbytes in args.sizes:
@@ -88,7 +99,8 @@ def main_table(args, peers_asked: list[str], stats: dict) -> list[str]:
             cells = [cell_text(stats.get(("copy" if p == "memcpy" else op, nbytes, p)), nbytes) for p in columns]
             plain, best = ratio(stats, op, nbytes, "rc_plain")
             via_dist, _ = ratio(stats, op, nbytes, "rc_dist")
-            ratios = [f"{r:.2f}x" if r is not None else "-" for r in (plain, via_dist)]
+            floor = [over_floor(stats, op, nbytes)] if "dist_floor" in columns else []
+            ratios = [f"{r:.2f}x" if r is not None else "-" for r in (plain, via_dist, *floor)]
             lines.append("| " + " | ".join([label, *cells, *ratios, LABELS.get(best, "-")]) + " |")
     return lines
 
@@ -119,6 +131,7 @@ def header_lines(args, header: dict, notes: dict[str, str]) -> list[str]:
              f"loadavg at start {header['loadavg_start']}, at end {header['loadavg_end']}",
              f"# versions: torch {header['torch']}, {header['open_mpi']}, mpi4py {header['mpi4py']}, "
              f"DeepSpeed {header['deepspeed']}",
+             f"# {header['cpu']}",
              f"# launch: {header['launch']}",
              f"# ringcomm: {header['ringcomm_transport']}",
              f"# {args.rounds} interleaved rounds, {args.budget_s * 1e3:.0f} ms timed per cell and round; "
@@ -157,7 +170,8 @@ def write_json(args, header: dict, peers: list[str], notes: dict, stats: dict, c
         for nbytes in args.sizes:
             plain, best = ratio(stats, op, nbytes, "rc_plain")
             via_dist, _ = ratio(stats, op, nbytes, "rc_dist")
-            ratios.append({"op": op, "requested_nbytes": nbytes, "best_peer": best, "plain": plain, "dist": via_dist})
+            ratios.append({"op": op, "requested_nbytes": nbytes, "best_peer": best, "plain": plain, "dist": via_dist,
+                           "dist_over_floor": over_floor(stats, op, nbytes)})
     cells = rows(stats, "quiet") + rows(contended or {}, "contended")
     out = {"header": header, "args": {k: v for k, v in vars(args).items()},
            "peers": {p: {"on": p in peers, "note": notes.get(p, "")} for p in args.peers},

@@ -17,7 +17,8 @@ import torch.distributed as dist
 import ringcomm
 from peers_cells import (PEER_OPS, Handles, calibrate, count_wrong, make_buffers, make_call, time_cell,
                          zero_inputs)
-from peers_setup import build_deepspeed_op, load_deepspeed_comm
+from machine import cpu_line
+from peers_setup import build_deepspeed_op, floor_backend, load_deepspeed_comm
 
 
 def set_up_peers(args, rank: int, world_size: int) -> tuple[Handles, list[str], dict[str, str], dict]:
@@ -29,6 +30,8 @@ def set_up_peers(args, rank: int, world_size: int) -> tuple[Handles, list[str], 
         handles.group = ringcomm.new_group(timeout=args.timeout)
     if "rc_dist" in args.peers:
         handles.backend_group = dist.new_group(backend="ringcomm", timeout=timeout)
+    if "dist_floor" in args.peers:
+        handles.floor_group = floor_backend()
     if "mpi" in args.peers:
         _set_up_mpi(args, handles, notes, rank, world_size)
     if "deepspeed" in args.peers:
@@ -74,7 +77,7 @@ def _facts(args, handles: Handles, world_size: int) -> dict:
     mpi_library = handles.mpi.Get_library_version().splitlines()[0].split(",")[0] if handles.mpi else "-"
     mca = " ".join(f"{k[9:]}={v}" for k, v in sorted(os.environ.items()) if k.startswith("OMPI_MCA_") and
                    k[9:] in ("pml", "btl", "smsc", "mpi_yield_when_idle"))
-    return {"host": platform.node(), "cpus": os.cpu_count(), "world_size": world_size,
+    return {"host": platform.node(), "cpus": os.cpu_count(), "cpu": cpu_line(), "world_size": world_size,
             "torch": torch.__version__, "open_mpi": mpi_library, "mpi4py": _version("mpi4py"),
             "deepspeed": _version("deepspeed"), "ringcomm_transport": describe() if transport else "-",
             "launch": f"mpirun ({mca}; {_ptrace_scope()})" if "OMPI_COMM_WORLD_RANK" in os.environ

@@ -1,5 +1,6 @@
 """The peers' set-up for peers.py: Open MPI's launch line, DeepSpeed's shm op
-(built with a timeout, loaded without torch's JIT lock), and the busy
+(built with a timeout, loaded without torch's JIT lock), the no-op backend
+whose dist.* calls are the floor of any Python backend, and the busy
 processes of the contention phase. No torch import at module level: the
 parent process (the one that runs mpirun) uses this too."""
 from __future__ import annotations
@@ -16,6 +17,41 @@ import time
 from collections.abc import Iterator
 
 SHM_OP = "deepspeed_shm_comm"
+
+
+# -- the floor of dist.* ----------------------------------------------------------------
+def floor_backend():
+    """A Python ProcessGroup whose collectives do nothing and return one pre-made
+    finished Work: what torch's dispatch to any Python backend costs."""
+    import torch.distributed as dist
+
+    class DoneWork(dist.Work):
+        def wait(self, timeout=None) -> bool:
+            return True
+
+    class FloorGroup(dist.ProcessGroup):
+        def __init__(self, store, rank, world_size, timeout) -> None:
+            super().__init__(rank, world_size)
+            self._done = DoneWork()
+
+        def getBackendName(self) -> str:
+            return "rcfloor"
+
+        def allreduce(self, tensors, opts=None):
+            return self._done
+
+        def all_gather_single(self, output, input, opts=None):
+            return self._done
+
+        def reduce_scatter_single(self, output, input, opts=None):
+            return self._done
+
+        _allgather_base = all_gather_single
+        _reduce_scatter_base = reduce_scatter_single
+
+    if "RCFLOOR" not in dist.Backend._plugins:
+        dist.Backend.register_backend("rcfloor", FloorGroup, devices=["cpu"])
+    return dist.new_group(backend="rcfloor")
 
 
 # -- Open MPI ----------------------------------------------------------------------------

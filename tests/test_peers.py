@@ -53,12 +53,16 @@ def test_quick_run_every_installed_peer(tmp_path):
     header = report["header"]
     assert header["world_size"] == 2 and header["cpus"] >= 1 and header["loadavg_start"] and header["loadavg_end"]
     assert report["peers"]["mpi"]["on"] is HAVE_MPI, report["peers"]["mpi"]
-    for peer in ("rc_plain", "rc_window", "rc_dist", "gloo", "memcpy"):
+    for peer in ("rc_plain", "rc_window", "rc_dist", "dist_floor", "gloo", "memcpy"):
         assert report["peers"][peer]["on"], (peer, report["peers"][peer])
     check_cells(report, OPS, [8, 4096, 65536])
     assert {(r["op"], r["requested_nbytes"]) for r in report["ratios"]} == {(op, n) for op in OPS for n in (8, 4096, 65536)}
-    assert all(r["plain"] > 0 for r in report["ratios"]), report["ratios"]
+    assert all(r["plain"] > 0 and r["dist_over_floor"] > 0 for r in report["ratios"]), report["ratios"]
     assert "| all_reduce 8 B (us) |" in stdout and "all correct" in stdout, stdout
+    assert "dist.* time / floor" in stdout, stdout
+    # the header names the CPU and the kernels it runs
+    assert header["cpu"].startswith("cpu ") and "ringcomm kernels:" in header["cpu"], header["cpu"]
+    assert f"# {header['cpu']}" in stdout, stdout
     assert plot.stat().st_size > 1000
 
 
@@ -105,6 +109,18 @@ def test_ratio_takes_the_best_verified_peer_and_flags_wrong_results():
     busbw = [(1 << 20) / seconds / 1e9 for seconds in (2e-3, 3e-3, 1e-3)]
     assert cell_text(stats[("all_reduce", 1 << 20, "rc_plain")], 1 << 20) == \
         f"{busbw[0]:.2f} [{busbw[1]:.2f}-{busbw[2]:.2f}]"
+
+
+def test_dist_over_floor_is_the_ratio_of_times_in_one_run():
+    from peers_report import over_floor, summaries
+
+    cells = {("all_reduce", 8, "rc_dist"): fake_cell(9e-6), ("all_reduce", 8, "dist_floor"): fake_cell(3e-6),
+             ("all_reduce", 1 << 20, "rc_dist"): fake_cell(4e-4, wrong=1), ("all_reduce", 1 << 20, "dist_floor"):
+             fake_cell(3e-6), ("all_gather", 8, "rc_dist"): fake_cell(5e-6)}
+    stats = summaries(cells, world_size=2)
+    assert over_floor(stats, "all_reduce", 8) == pytest.approx(3.0)
+    assert over_floor(stats, "all_reduce", 1 << 20) is None  # a wrong result has no ratio
+    assert over_floor(stats, "all_gather", 8) is None  # no floor measured
 
 
 def test_sizes_and_mpirun_line():

@@ -34,17 +34,33 @@
 namespace ringcomm {
 namespace {
 
+// [Note: torch's attributes, read by descriptor] The checks read six of
+// torch.Tensor's attributes per tensor, the biggest part of a lean call's cost.
+// Each is read through its descriptor, found once on torch.Tensor at setup:
+// attribute lookup on a tensor walks its type's MRO and its instance dict
+// before it reaches the same descriptor, and that walk cost ~25% of a read.
+// The tensors read are exactly torch.Tensor (read_tensor checks the type), so
+// the descriptors are the ones a plain read would find, unless a caller set one
+// on the instance itself (t.data_ptr = ...): the lean path ignores that.
+struct Attribute {
+  PyObject* descriptor = nullptr;  // torch.Tensor.<name>: a getset or a method descriptor
+  descrgetfunc get = nullptr;      // a getset's __get__; null for a method (called instead)
+
+  // The attribute's value on `tensor` (a new reference), or null with an error set.
+  PyObject* read(PyObject* tensor, PyTypeObject* type) const {
+    if (get != nullptr) return get(descriptor, tensor, reinterpret_cast<PyObject*>(type));
+    PyObject* args[] = {tensor};
+    return PyObject_Vectorcall(descriptor, args, 1, nullptr);
+  }
+};
+
 // What the checks compare with, from lean_setup (ringcomm.comm.collectives at import).
 struct TorchApi {
   PyTypeObject* tensor_type = nullptr;
   PyObject* strided = nullptr;
   std::vector<std::pair<PyObject*, int>> dtype_codes;  // torch dtype -> ringcomm code
-  PyObject* layout = nullptr;                          // interned attribute names
-  PyObject* dtype = nullptr;
-  PyObject* is_cpu = nullptr;
-  PyObject* is_contiguous = nullptr;
-  PyObject* data_ptr = nullptr;
-  PyObject* nbytes = nullptr;
+  Attribute layout, dtype, is_cpu, nbytes;             // properties
+  Attribute is_contiguous, data_ptr;                   // methods, called with no arguments
   PyObject* profiler_globals = nullptr;  // the dict of the module whose global says torch's profiler
   PyObject* profiler_flag = nullptr;     // records, and that global's name (ringcomm/core/compat.py names both)
 };
@@ -63,11 +79,6 @@ class Ref {
  private:
   PyObject* object_;
 };
-
-PyObject* call_method(PyObject* self, PyObject* name) {
-  PyObject* args[] = {self};
-  return PyObject_VectorcallMethod(name, args, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
-}
 
 // Whether torch's profiler records: the lean calls then step aside, so that the
 // checked path records the call's event ([Note: profiler events] in profiling.py).
@@ -91,20 +102,21 @@ struct LeanTensor {
 // Whether `object` may take the lean path; fills `tensor` when it may. An
 // error from torch's attributes leaves a Python error set (see no_lean).
 bool read_tensor(PyObject* object, LeanTensor* tensor) {
-  if (api.tensor_type == nullptr || Py_TYPE(object) != api.tensor_type) return false;
-  const Ref layout(PyObject_GetAttr(object, api.layout));
+  PyTypeObject* type = api.tensor_type;
+  if (type == nullptr || Py_TYPE(object) != type) return false;
+  const Ref layout(api.layout.read(object, type));
   if (layout.get() != api.strided) return false;
-  const Ref dtype(PyObject_GetAttr(object, api.dtype));
+  const Ref dtype(api.dtype.read(object, type));
   tensor->dtype = -1;
   for (const auto& [known, code] : api.dtype_codes)
     if (dtype.get() == known) tensor->dtype = code;
   if (tensor->dtype < 0) return false;
-  const Ref is_cpu(PyObject_GetAttr(object, api.is_cpu));
+  const Ref is_cpu(api.is_cpu.read(object, type));
   if (is_cpu.get() != Py_True) return false;
-  const Ref contiguous(call_method(object, api.is_contiguous));
+  const Ref contiguous(api.is_contiguous.read(object, type));
   if (contiguous.get() != Py_True) return false;
-  const Ref ptr(call_method(object, api.data_ptr));
-  const Ref nbytes(PyObject_GetAttr(object, api.nbytes));
+  const Ref ptr(api.data_ptr.read(object, type));
+  const Ref nbytes(api.nbytes.read(object, type));
   if (ptr.get() == nullptr || nbytes.get() == nullptr) return false;
   tensor->ptr = static_cast<uintptr_t>(PyLong_AsUnsignedLongLong(ptr.get()));
   tensor->nbytes = PyLong_AsLongLong(nbytes.get());
@@ -365,7 +377,16 @@ PyMethodDef kLeanMethods[] = {
                                  "all_gather_tensors(handle, output, input, timeout_s) -> whether it ran"),
 };
 
-PyObject* intern(const char* name) { return PyUnicode_InternFromString(name); }
+// torch.Tensor's descriptor of attribute `name` (see [Note: torch's attributes,
+// read by descriptor]); a type's attribute lookup returns the descriptor itself.
+Attribute find_attribute(pybind11::type tensor_type, const char* name, bool method) {
+  pybind11::object descriptor = tensor_type.attr(name);
+  Attribute attribute{descriptor.ptr(), method ? nullptr : Py_TYPE(descriptor.ptr())->tp_descr_get};
+  if (!method && attribute.get == nullptr)
+    throw pybind11::type_error(std::string("_lean_setup: torch.Tensor.") + name + " is not a property");
+  descriptor.release();  // lives as long as the process
+  return attribute;
+}
 
 }  // namespace
 
@@ -380,17 +401,17 @@ void add_lean_functions(pybind11::module_& m) {
          pybind11::object profiler_owner, pybind11::str profiler_flag) {
         // Called at import; the references live as long as the process.
         api.dtype_codes.clear();
+        api.layout = find_attribute(tensor_type, "layout", false);
+        api.dtype = find_attribute(tensor_type, "dtype", false);
+        api.is_cpu = find_attribute(tensor_type, "is_cpu", false);
+        api.nbytes = find_attribute(tensor_type, "nbytes", false);
+        api.is_contiguous = find_attribute(tensor_type, "is_contiguous", true);
+        api.data_ptr = find_attribute(tensor_type, "data_ptr", true);
         api.tensor_type = reinterpret_cast<PyTypeObject*>(tensor_type.release().ptr());
         api.strided = strided.release().ptr();
         for (auto [dtype, code] : dtype_codes)
           api.dtype_codes.emplace_back(pybind11::reinterpret_borrow<pybind11::object>(dtype).release().ptr(),
                                        code.cast<int>());
-        api.layout = intern("layout");
-        api.dtype = intern("dtype");
-        api.is_cpu = intern("is_cpu");
-        api.is_contiguous = intern("is_contiguous");
-        api.data_ptr = intern("data_ptr");
-        api.nbytes = intern("nbytes");
         api.profiler_globals = pybind11::reinterpret_borrow<pybind11::object>(
             PyModule_GetDict(profiler_owner.ptr())).release().ptr();
         api.profiler_flag = profiler_flag.release().ptr();
