@@ -64,7 +64,8 @@ def make_model(args, name: str):
     h = args.hidden
     if name == "gpt2":
         config = GPT2Config(n_layer=args.layers, n_embd=h, n_head=max(1, h // 64), n_positions=args.seq,
-                            vocab_size=args.vocab, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                            vocab_size=args.vocab, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                            bos_token_id=0, eos_token_id=0)
         return GPT2LMHeadModel(config)
     config = LlamaConfig(num_hidden_layers=args.layers, hidden_size=h, intermediate_size=int(h * 8 / 3) // 8 * 8,
                          num_attention_heads=max(1, h // 64), num_key_value_heads=max(1, h // 64),

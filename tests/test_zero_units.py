@@ -18,7 +18,7 @@ from zero_reference import LR, MICRO, STEPS, TinyTransformer, engine_config, los
     reference_train
 
 import zero
-from ringcomm.plan.gathers import plan_forward_keeps
+from ringcomm.plan.gathers import plan_backward_keeps, plan_forward_keeps
 from zero.sharding.units import gather_units
 
 
@@ -82,6 +82,11 @@ def test_reuse_distance_closed_forms() -> None:
             for reuse in (20, 21)]  # the head (2) reuses the embedding (0) after the block (1), 20 elements
     assert tied == [(frozenset(), frozenset(), frozenset({0})), (frozenset({0}), frozenset({1}), frozenset({0}))], \
         f"the head reuses the embedding: {tied}"
+    back = lambda reuse: plan_backward_keeps(trace, numels, max_reuse_numel=reuse, max_live_numel=10**9)  # noqa: E731
+    assert [back(r) for r in (0, 1, 20, 21, 61)] == [set(), {0}, {0}, {0, 1}, {0, 1, 2}], \
+        "backward, then the next forward: 0 first, then 1 after 20 elements, 2 after 60"
+    assert plan_backward_keeps([[0], [1], [0]], [10, 20], max_reuse_numel=1, max_live_numel=10**9) == {0}, \
+        "the embedding, tied to the head, is kept after its last backward use"
 
 
 def test_reuse_keeps_a_suffix_within_the_limits() -> None:
@@ -109,50 +114,72 @@ def count_collectives(comm) -> dict[str, int]:
     return counts
 
 
+CASES = (("block", 0, 1), ("block", None, 1), ("module", 0, 1), ("block", 0, 2), ("block", None, 2))
+
+
 def units_worker(rank: int, world_size: int) -> dict:
+    """Per case (unit, stage3_max_reuse_distance or None for the default,
+    accumulation): losses, final masters, bucket counts, the collectives of
+    each micro step after the first step, and the bytes kept gathered."""
     results = {}
-    for unit, reuse in (("block", 0), ("block", None), ("module", 0)):
+    for unit, reuse, accumulation in CASES:
         options = {"stage3_gather_unit": unit}
         if reuse is not None:
             options["stage3_max_reuse_distance"] = reuse
-        config = engine_config(3, "fp32", 1, world_size, **options)
+        config = engine_config(3, "fp32", accumulation, world_size, **options)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             engine, *_ = zero.initialize(model=make_model("tied"), config=config)
         buckets = engine.parts.group.buckets
         sharded = sum(1 for b in buckets if not b.span.resident)
-        losses, per_step = [], []
+        losses, micro_steps = [], []
         for step in range(STEPS):
-            counts = count_collectives(engine.parts.comm)
-            x, y = make_batch("tied", MICRO * world_size, step)
-            loss = loss_fn("tied", engine(x[rank * MICRO:(rank + 1) * MICRO]), y[rank * MICRO:(rank + 1) * MICRO])
-            engine.backward(loss)
-            per_step.append(dict(counts))
-            engine.step()
-            mean = loss.detach().clone()
+            x, y = make_batch("tied", MICRO * accumulation * world_size, step)
+            total = 0.0
+            for k in range(accumulation):
+                counts = count_collectives(engine.parts.comm)
+                lo = (k * world_size + rank) * MICRO
+                loss = loss_fn("tied", engine(x[lo:lo + MICRO]), y[lo:lo + MICRO])
+                engine.backward(loss)
+                micro_steps.append(dict(counts))
+                engine.step()
+                total += float(loss.detach())
+            mean = torch.tensor([total / accumulation])
             dist.all_reduce(mean)
             losses.append(float(mean) / world_size)
-        results[unit, reuse] = (losses, [p.numpy() for p in engine.full_params_fp32()], (sharded, len(buckets)),
-                                per_step[1:],
-                                engine.memory_report().kept_gathered_nbytes)
+        results[unit, reuse, accumulation] = (
+            losses, [p.numpy() for p in engine.full_params_fp32()], (sharded, len(buckets)),
+            micro_steps[accumulation:], engine.memory_report().kept_gathered_nbytes)
     return results
+
+
+def expected_gathers(sharded: int, reuse: int | None, first_micro_step: bool) -> int:
+    """All-gathers of one micro step of the tied model: every sharded bucket in
+    forward, the embedding again for the head and every bucket again in
+    backward when nothing is kept (reuse 0); with the default reuse everything
+    is kept from forward to backward, and from one backward to the next
+    micro step's forward inside an accumulation."""
+    if reuse == 0:
+        return 2 * sharded + 1
+    return sharded if first_micro_step else 0
 
 
 def test_units_train_like_torch_with_one_collective_per_unit_and_direction() -> None:
     world_size = 2
-    ref_losses, ref_params = reference_train("tied", torch.float32, MICRO * world_size)
+    references = {acc: reference_train("tied", torch.float32, MICRO * acc * world_size) for acc in (1, 2)}
     initial = list(make_model("tied").parameters())
     for rank, results in enumerate(run_ranks(units_worker, world_size, timeout=240)):
         blocks = len(TinyTransformer().blocks)
-        for (unit, reuse), (losses, params, (sharded, total), counts, kept) in results.items():
-            case = f"rank {rank} unit {unit} reuse {reuse}"
+        for (unit, reuse, accumulation), (losses, params, (sharded, total), counts, kept) in results.items():
+            case = f"rank {rank} unit {unit} reuse {reuse} accumulation {accumulation}"
             if unit == "block":  # the blocks, the embedding (tied to the head) and the head's other weights
                 assert sharded <= blocks + 2, f"{case}: {sharded} sharded buckets for {blocks} blocks"
-            gathers = sharded + 1 if reuse == 0 else sharded  # the embedding again for the tied head, in forward
-            for c in counts:  # after the first step, whose forward records the order
-                assert c == {"all_gather": gathers + (sharded if reuse == 0 else 0), "reduce_scatter": total}, \
-                    f"{case}: {c} for {sharded} sharded buckets of {total}"  # the resident one reduce-scatters too
+            for i, c in enumerate(counts):  # after the first step, whose forward records the order
+                gathers = expected_gathers(sharded, reuse, i % accumulation == 0)
+                assert c == {"all_gather": gathers, "reduce_scatter": total}, \
+                    f"{case} micro step {i}: {c} for {sharded} sharded buckets of {total}"  # resident ones too
             assert (kept > 0) == (reuse is None), f"{case}: {kept} B kept for backward"
+            ref_losses, ref_params = references[accumulation]
             for step, (a, b) in enumerate(zip(ref_losses, losses)):
                 assert abs(a - b) <= 1e-5 * abs(a), f"{case} step {step}: loss {b} vs torch {a}"
             for i, (p, ref, init) in enumerate(zip(params, ref_params, initial)):  # test_zero_parity's fp32 rule

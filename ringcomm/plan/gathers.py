@@ -13,6 +13,11 @@ gathered across the turn: with DeepSpeed's default (1e9) a small model keeps
 everything, a big one its last ~1e9 elements, and 0 releases every bucket.
 The buckets kept at once are bounded by `max_live_numel`, the nearest to the
 turn first: a bucket that would go over it is released.
+The same rule holds at the other turn, from a backward to the next micro
+step's forward within one gradient accumulation (the parameters do not change
+until the optimizer step): the first units of the model are the last of
+backward and the first of the next forward, so a prefix stays gathered. At an
+accumulation boundary every bucket is released: the step changes them.
 """
 from __future__ import annotations
 
@@ -23,13 +28,32 @@ def plan_forward_keeps(trace: Sequence[Sequence[int]], numels: Sequence[int], *,
                        max_live_numel: int) -> tuple[frozenset[int], ...]:
     """For each forward call of `trace` (the buckets it uses), the buckets its
     post-forward keeps gathered; `numels[b]` is bucket b's size in elements."""
-    n = len(trace)
-    uses = list(trace) + list(reversed(trace))  # forward, then backward
+    return _keeps(list(trace), list(reversed(trace)), numels, max_reuse_numel, max_live_numel)
+
+
+def plan_backward_keeps(trace: Sequence[Sequence[int]], numels: Sequence[int], *, max_reuse_numel: int,
+                        max_live_numel: int) -> frozenset[int]:
+    """The buckets a backward keeps gathered for the next micro step's forward
+    (between micro steps of one accumulation, when the parameters do not
+    change): those whose last use in backward (`trace` reversed) comes within
+    the reuse distance of their first use in the next forward."""
+    backward = list(reversed(trace))
+    keeps = _keeps(backward, list(trace), numels, max_reuse_numel, max_live_numel)
+    last = {bucket: i for i, use in enumerate(backward) for bucket in use}
+    return frozenset(bucket for bucket, i in last.items() if bucket in keeps[i])
+
+
+def _keeps(first: list[Sequence[int]], then: list[Sequence[int]], numels: Sequence[int], max_reuse_numel: int,
+           max_live_numel: int) -> tuple[frozenset[int], ...]:
+    """For each use of `first`, the buckets kept after it: the next use (in
+    `first`, then in `then`) is within the reuse distance, and the kept total
+    stays within max_live_numel, nearest to the turn first."""
+    uses = first + then
     use_numels = [sum(numels[b] for b in use) for use in uses]
-    kept: list[set[int]] = [set() for _ in range(n)]
+    kept: list[set[int]] = [set() for _ in first]
     live, held = 0, set()
-    for i in reversed(range(n)):  # nearest to the turn first, for max_live_numel
-        for bucket in dict.fromkeys(trace[i]):
+    for i in reversed(range(len(first))):
+        for bucket in dict.fromkeys(first[i]):
             distance = _distance_to_next_use(uses, use_numels, i, bucket)
             if distance is None or distance >= max_reuse_numel:
                 continue

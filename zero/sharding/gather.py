@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ringcomm.core.compat import in_backward, tree_flatten
-from ringcomm.plan.gathers import plan_forward_keeps
+from ringcomm.plan.gathers import plan_backward_keeps, plan_forward_keeps
 
 from .param_group import ParamGroup, ZeroBucket
 
@@ -89,10 +89,14 @@ class ModuleGatherer:
         if self.calls and self.calls != self.recorded:
             self.recorded = self.calls
             numels = {b.span.index: b.span.numel for b in self.buckets}
-            self.keeps = plan_forward_keeps([indices for _, indices in self.calls], _dense(numels),
-                                            max_reuse_numel=self.max_reuse_numel, max_live_numel=self.max_live_numel)
+            trace, limits = [indices for _, indices in self.calls], {
+                "max_reuse_numel": self.max_reuse_numel, "max_live_numel": self.max_live_numel}
+            self.keeps = plan_forward_keeps(trace, _dense(numels), **limits)
+            self.group.keep_after_backward = plan_backward_keeps(trace, _dense(numels), **limits)
         for bucket in self.buckets:  # kept or prefetched for a backward that did not come
-            self.group.reshard(bucket)
+            if bucket.span.index not in self.group.kept:
+                self.group.reshard(bucket)
+        self.group.kept = frozenset()
         self.calls, self.positions = [], []
         self.current = []
         self.in_use.clear()  # a forward that raised left its counts behind
@@ -153,8 +157,9 @@ class ModuleGatherer:
     @property
     def kept_nbytes(self) -> int:
         """Bytes of the buckets the forward keeps gathered for backward ([Note: reuse distance])."""
-        kept = set().union(*self.keeps)
-        return sum(b.span.numel * b.shard.element_size() for b in self.buckets if b.span.index in kept)
+        turns = (set().union(*self.keeps), self.group.keep_after_backward)  # forward -> backward -> forward
+        return max(sum(b.span.numel * b.shard.element_size() for b in self.buckets if b.span.index in kept)
+                   for kept in turns)
 
     def _keeps_at(self, position: int, module: nn.Module) -> frozenset[int]:
         """What the plan keeps after this call, if the forward follows the recorded one."""

@@ -149,6 +149,10 @@ class ParamGroup:
         self.quantized_weights = False
         self.partition_comm: Comm | None = None
         self.secondary: Secondary | None = None  # hpZ ([Note: ZeRO++ in zero])
+        # stage 3, [Note: reuse distance] in ringcomm/plan/gathers.py: the buckets a backward inside an
+        # accumulation keeps gathered for the next forward (the gatherer's plan), and those it kept
+        self.keep_after_backward: frozenset[int] = frozenset()
+        self.kept: frozenset[int] = frozenset()
         self.optimizer: torch.optim.Optimizer | None = None  # attach(): what state_dict() saves
         self.param_names: list[str] = []
         self.scheduler = OwnedBucketScheduler(
@@ -216,13 +220,15 @@ class ParamGroup:
                 target.copy_(values)
 
     def _after_launch(self, grads: GradBucket) -> None:
-        self.reshard(self.buckets[grads.index])  # its gradients are in flight: the values can go
+        if grads.index not in self.kept:  # its gradients are in flight: the values can go
+            self.reshard(self.buckets[grads.index])
 
     # ---- verbs: gradients -------------------------------------------------------------
     def reduce_grads(self, scaled_loss: torch.Tensor, boundary: bool) -> None:
         """Back-propagates; at a boundary (sharded gradients: every micro-step)
         the reduced gradient of each bucket's owned span is ready afterwards."""
         sync = self.policy.shard_grads or boundary
+        self.kept = frozenset() if boundary else self.keep_after_backward  # the step changes the values
         try:
             with contextlib.nullcontext() if sync else self.scheduler.no_sync():
                 try:
@@ -233,7 +239,8 @@ class ParamGroup:
                 self.scheduler.finish()
         finally:
             for bucket in self.buckets:
-                self.reshard(bucket)
+                if bucket.span.index not in self.kept:
+                    self.reshard(bucket)
 
     def zero_grads(self) -> None:
         self.scheduler.zero_grad()
