@@ -187,3 +187,37 @@ def test_units_train_like_torch_with_one_collective_per_unit_and_direction() -> 
                 close = (diff <= 1e-5 + 1e-3 * update).float().mean().item()
                 assert diff.max() <= LR * STEPS and close >= 0.99, \
                     f"{case}: parameter {i} off by {diff.max().item()}, {close:.3f} of it close"
+
+
+def load_mid_accumulation_worker(rank: int, world_size: int, directory: str) -> None:
+    """A checkpoint loaded after a backward that kept units for the next
+    forward: that forward runs on the loaded values, not the kept ones."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, *_ = zero.initialize(model=make_model("tied"), config=engine_config(3, "fp32", 2, world_size))
+    probe = make_batch("tied", MICRO, 99)[0]
+
+    def micro_step(step: int, k: int) -> None:
+        x, y = make_batch("tied", MICRO * 2 * world_size, step)
+        lo = (k * world_size + rank) * MICRO
+        engine.backward(loss_fn("tied", engine(x[lo:lo + MICRO]), y[lo:lo + MICRO]))
+        engine.step()
+
+    for step in range(2):
+        micro_step(step, 0)
+        micro_step(step, 1)
+    engine.save_checkpoint(directory, tag="saved")
+    with torch.no_grad():
+        saved = engine(probe)
+    micro_step(2, 0)
+    micro_step(2, 1)  # the values move on
+    micro_step(3, 0)  # inside an accumulation: units kept for the next forward
+    assert engine.parts.group.kept, f"rank {rank}: nothing kept after a backward inside an accumulation"
+    engine.load_checkpoint(directory, tag="saved")
+    with torch.no_grad():
+        loaded = engine(probe)
+    assert torch.equal(saved, loaded), f"rank {rank}: forward after load differs by {(saved - loaded).abs().max()}"
+
+
+def test_load_between_micro_steps_drops_the_kept_units(tmp_path) -> None:
+    run_ranks(load_mid_accumulation_worker, 2, str(tmp_path), timeout=120)

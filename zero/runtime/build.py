@@ -15,7 +15,8 @@ from ..offload.nvme_params import NvmeParamGroup
 from ..sharding import init as zero_init
 from ..sharding import units, zeropp
 from ..sharding.gather import ModuleGatherer
-from ..sharding.param_group import ParamGroup, build_buckets
+from ..sharding.fill import build_buckets
+from ..sharding.param_group import ParamGroup
 from ..sharding.seam import make_comm, make_partition_comm
 from ..sharding.wire import Topology
 from . import config as config_mod

@@ -6,7 +6,7 @@ built) and GatheredParameters (gather, optionally modify on one rank, re-shard).
     Built under Init, a parameter keeps `ds_shape`, `ds_numel` and `ds_tensor`,
     this rank's chunk of the flattened value: ceil(numel / world_size) elements,
     the last rank's zero-padded; its `.data` is empty. The engine copies these
-    chunks into its buckets (param_group.build_buckets, one parameter gathered
+    chunks into its buckets (fill.build_buckets, one parameter gathered
     at a time) and drops `ds_tensor`. At stage 3 each parameter then carries
     `ds_bucket` = (ParamGroup, ZeroBucket) so that GatheredParameters gathers
     and re-shards through the engine, and a modification reaches its fp32 master.
