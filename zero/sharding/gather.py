@@ -1,11 +1,13 @@
-"""Stage 3 module hooks: unshard a module's bucket before its forward and
-again before its backward, reshard after, and prefetch the next bucket in the
-order recorded on the previous forward. The hooks only call ParamGroup's verbs.
+"""Stage 3 hooks on each gather unit (units.py): unshard a unit's bucket before
+its forward and again before its backward, reshard after (unless the reuse
+plan keeps it: [Note: reuse distance] in ringcomm/plan/gathers.py), and
+prefetch the next bucket in the order recorded on the previous forward. The
+hooks only call ParamGroup's verbs.
 
-    forward:   pre(m_i): unshard(b_i), start_unshard(b_{i+1})  ...  post(m_i): reshard(b_i)
+    forward:   pre(m_i): unshard(b_i), start_unshard(b_{i+1})  ...  post(m_i): reshard(b_i) or keep
     backward:  hook on m_i's output gradients: unshard(b_i), start_unshard(b_{i-1})
-               last gradient of b_i (the scheduler): reduce-scatter, reshard(b_i)
-A module may use several buckets (a tied weight lives in its first module's
+               last gradient of b_i (the scheduler): reduce-scatter, reshard(b_i) or keep
+A unit may use several buckets (a tied weight lives in its first unit's
 bucket): it gathers all of them.
 
 [Note: saved weights]
@@ -156,7 +158,8 @@ class ModuleGatherer:
 
     @property
     def kept_nbytes(self) -> int:
-        """Bytes of the buckets the forward keeps gathered for backward ([Note: reuse distance])."""
+        """Bytes the plan keeps gathered at the larger of its two turns, forward to
+        backward and backward to the next forward ([Note: reuse distance])."""
         turns = (set().union(*self.keeps), self.group.keep_after_backward)  # forward -> backward -> forward
         return max(sum(b.span.numel * b.shard.element_size() for b in self.buckets if b.span.index in kept)
                    for kept in turns)
