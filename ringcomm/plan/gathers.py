@@ -47,31 +47,28 @@ def _keeps(first: list[Sequence[int]], then: list[Sequence[int]], numels: Sequen
            max_live_numel: int) -> tuple[frozenset[int], ...]:
     """For each use of `first`, the buckets kept after it: the next use (in
     `first`, then in `then`) is within the reuse distance, and the kept total
-    stays within max_live_numel, nearest to the turn first."""
+    stays within max_live_numel, nearest to the turn first. One pass back over
+    the uses finds every next use; prefix sums give the elements between."""
     uses = first + then
-    use_numels = [sum(numels[b] for b in use) for use in uses]
+    before = [0]  # before[j]: elements of uses[:j]
+    for use in uses:
+        before.append(before[-1] + sum(numels[b] for b in use))
+    next_use: list[dict[int, int]] = [{} for _ in first]  # per use of first: bucket -> position of its next use
+    upcoming: dict[int, int] = {}
+    for j in reversed(range(len(uses))):
+        if j < len(first):
+            next_use[j] = {b: upcoming[b] for b in uses[j] if b in upcoming}
+        upcoming.update((b, j) for b in uses[j])
     kept: list[set[int]] = [set() for _ in first]
     live, held = 0, set()
     for i in reversed(range(len(first))):
-        for bucket in dict.fromkeys(first[i]):
-            distance = _distance_to_next_use(uses, use_numels, i, bucket)
-            if distance is None or distance >= max_reuse_numel:
-                continue
-            if bucket not in held and live + numels[bucket] > max_live_numel:
+        for bucket, j in next_use[i].items():
+            if before[j] - before[i + 1] >= max_reuse_numel:
                 continue
             if bucket not in held:
+                if live + numels[bucket] > max_live_numel:
+                    continue
                 held.add(bucket)
                 live += numels[bucket]
             kept[i].add(bucket)
     return tuple(frozenset(k) for k in kept)
-
-
-def _distance_to_next_use(uses: list[Sequence[int]], use_numels: list[int], i: int, bucket: int) -> int | None:
-    """Elements of the uses strictly between position i and the next use of
-    `bucket` (None: no next use)."""
-    distance = 0
-    for j in range(i + 1, len(uses)):
-        if bucket in uses[j]:
-            return distance
-        distance += use_numels[j]
-    return None

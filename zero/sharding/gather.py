@@ -90,11 +90,11 @@ class ModuleGatherer:
             self.order = self.current
         if self.calls and self.calls != self.recorded:
             self.recorded = self.calls
-            numels = {b.span.index: b.span.numel for b in self.buckets}
+            numels = _dense({b.span.index: b.span.numel for b in self.buckets})
             trace, limits = [indices for _, indices in self.calls], {
                 "max_reuse_numel": self.max_reuse_numel, "max_live_numel": self.max_live_numel}
-            self.keeps = plan_forward_keeps(trace, _dense(numels), **limits)
-            self.group.keep_after_backward = plan_backward_keeps(trace, _dense(numels), **limits)
+            self.keeps = plan_forward_keeps(trace, numels, **limits)
+            self.group.keep_after_backward = plan_backward_keeps(trace, numels, **limits)
         for bucket in self.buckets:  # kept or prefetched for a backward that did not come
             if bucket.span.index not in self.group.kept:
                 self.group.reshard(bucket)
