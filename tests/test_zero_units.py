@@ -19,7 +19,7 @@ from zero_reference import LR, MICRO, STEPS, TinyTransformer, engine_config, los
 
 import zero
 from ringcomm.plan.gathers import plan_backward_keeps, plan_forward_keeps
-from zero.sharding.units import gather_units
+from zero.sharding.units import gather_units, parse
 
 
 def owned(model: nn.Module, units: list[nn.Module], groups: list[list[int]]) -> dict[str, list[str]]:
@@ -65,6 +65,12 @@ def test_hugging_face_blocks_leaves_and_mixed_lists() -> None:
     names = owned(model, *gather_units(model, list(model.parameters())))
     assert names == {"mixed.0": ["mixed.0.weight", "mixed.0.bias"], "mixed.1": ["mixed.1.weight", "mixed.1.bias"],
                      "leaf": ["leaf.0.weight", "leaf.0.bias"]}, names
+
+
+def test_gather_unit_key_is_checked() -> None:
+    assert parse({}) == "block" and parse({"stage3_gather_unit": "module"}) == "module"
+    with pytest.raises(ValueError, match="stage3_gather_unit must be one of"):
+        parse({"stage3_gather_unit": "layer"})
 
 
 def test_reuse_distance_closed_forms() -> None:

@@ -17,7 +17,7 @@ instead; zero finds those blocks itself. A unit is, outermost first:
   one class;
 - any other module with parameters of its own (recurse=False), as before.
 A unit takes every parameter of its subtree; modules inside a unit get no hooks.
-`ZeroConfig.gather_unit = "module"` (zero_optimization.stage3_gather_unit)
+`ZeroOptions.gather_unit = "module"` (zero_optimization.stage3_gather_unit)
 keeps DeepSpeed's per-module units, with only the leaves and WHOLE_MODULES above.
 """
 from __future__ import annotations
