@@ -173,6 +173,44 @@ def test_stop_from_another_thread_mid_call(transport, tmp_path):
     run_ranks(stop_mid_call, 2, transport, str(tmp_path), timeout=180)
 
 
+def close_in_the_window(rank, world_size, transport, signal_dir):
+    """A close that begins after a call passed the group's open check (the flight
+    recorder shows it started) but before it entered the transport waits for
+    it: the call ends right on both ranks. Rank 0's transport call is held in
+    that window until the group left OPEN (the checked path: all_reduce with output=)."""
+    group = ringcomm.new_group(transport=transport, timeout=20)
+    joined = Path(signal_dir) / f"{transport}-join"
+    x = torch.full((NUMEL,), rank + 1.0)
+    out = torch.empty(NUMEL)
+    if rank == 1:
+        _wait_for("rank 0 to close its group", joined.exists)
+        ringcomm.all_reduce(x, group=group, output=out)
+        group.close()
+        return out.unique().tolist()
+    in_window = threading.Event()
+    enter = group.transport.all_reduce
+
+    def held(**kwargs):
+        in_window.set()
+        _wait_for("the group to leave OPEN", lambda: group.state is not ringcomm.GroupState.OPEN)
+        joined.touch()
+        return enter(**kwargs)
+
+    group.transport.all_reduce = held
+    closer = threading.Thread(target=lambda: (in_window.wait(WAIT_S), group.close()))
+    closer.start()
+    ringcomm.all_reduce(x, group=group, output=out)
+    closer.join()
+    assert group.state is ringcomm.GroupState.CLOSED, group.state
+    return out.unique().tolist()
+
+
+@pytest.mark.parametrize("transport", ["shm", "torch_dist"])
+def test_close_waits_for_a_call_not_yet_in_the_transport(transport, tmp_path):
+    results = run_ranks(close_in_the_window, 2, transport, str(tmp_path), timeout=120)
+    assert results == [[3.0], [3.0]], results
+
+
 def torch_dist_close_error(rank, world_size):
     """A closed torch_dist group refuses a call clearly (it raised AttributeError)."""
     group = ringcomm.new_group(transport="torch_dist", timeout=10)

@@ -24,6 +24,7 @@
 #include "module_lean.h"
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -180,6 +181,19 @@ bool run_released(Call call) {
   return false;
 }
 
+// Admits a lean call (OpScope) before it is recorded as started, so that a call
+// the flight recorder shows started is one that close() waits for; false, with
+// a Python error set, when the comm refuses it (closed, aborted, another thread's).
+bool admit(ShmComm& comm, const char* op, std::optional<OpScope>& scope) {
+  try {
+    comm.admit(scope, op);
+    return true;
+  } catch (const std::exception& err) {
+    PyErr_SetString(PyExc_RuntimeError, err.what());
+    return false;
+  }
+}
+
 // Reads args[first .. first + count) as ints into `ints`.
 bool read_ints(PyObject* const* args, int first, int count, int64_t* ints) {
   for (int i = 0; i < count; ++i) {
@@ -298,6 +312,8 @@ PyObject* all_reduce_tensor(PyObject*, PyObject* const* args, Py_ssize_t nargs) 
   const double timeout_s = PyFloat_AsDouble(args[3]);
   if (timeout_s == -1.0 && PyErr_Occurred()) return nullptr;
   const int64_t numel = tensor.nbytes / element_nbytes(to_dtype(tensor.dtype));
+  std::optional<OpScope> scope;
+  if (!admit(*comm, "all_reduce", scope)) return nullptr;
   TraceRing& trace = comm->trace();
   const int64_t slot = trace.begin(static_cast<int32_t>(OpKind::kAllReduce), tensor.dtype, static_cast<int32_t>(op),
                                    numel, numel);
@@ -330,6 +346,8 @@ PyObject* pair_call(const char* name, PyObject* const* args, Py_ssize_t nargs) {
   const int64_t chunk_numel = small.nbytes / element_nbytes(to_dtype(small.dtype));
   const int64_t input_numel = gather ? chunk_numel : chunk_numel * comm->world_size();
   const int64_t output_numel = gather ? chunk_numel * comm->world_size() : chunk_numel;
+  std::optional<OpScope> scope;
+  if (!admit(*comm, gather ? "all_gather" : "reduce_scatter", scope)) return nullptr;
   TraceRing& trace = comm->trace();
   const int64_t slot = trace.begin(static_cast<int32_t>(gather ? OpKind::kAllGather : OpKind::kReduceScatter),
                                    input.dtype, gather ? -1 : static_cast<int32_t>(op), input_numel, output_numel);

@@ -89,6 +89,10 @@ OpScope::OpScope(std::atomic<int64_t>& caller, const std::atomic<int32_t>& state
     throw std::runtime_error(std::string(op) + ": rank " + std::to_string(rank) + ": the group is " +
                              (now == CommState::kAborted ? "aborted" : "closed"));
   }
+  if (inside == me) {  // admitted by this thread's enclosing scope
+    owner_ = false;
+    return;
+  }
   throw std::runtime_error(std::string(op) + ": rank " + std::to_string(rank) + ": called from thread id " +
                            std::to_string(me) + " while thread id " + std::to_string(inside) +
                            " is inside a collective of this group; a group's collectives must come from one "

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -118,15 +119,21 @@ class P2pChannels;  // shm_p2p.h
 // (its kernel thread id), as [Note: one caller thread] in ringcomm/comm/group.py asks,
 // and a call on a closed or aborted comm gets one saying so. close() waits
 // until no OpScope is left ([Note: close and abort] in shm_lifecycle.cpp).
+// A scope inside another on the same thread is admitted by the outer one: the
+// lean calls admit theirs before they record the call as started (module_lean.cpp),
+// so a call the flight recorder shows started is one that close() waits for.
 class OpScope {
  public:
   OpScope(std::atomic<int64_t>& caller, const std::atomic<int32_t>& state, const char* op, int rank);
-  ~OpScope() { caller_.store(0, std::memory_order_release); }
+  ~OpScope() {
+    if (owner_) caller_.store(0, std::memory_order_release);
+  }
   OpScope(const OpScope&) = delete;
   OpScope& operator=(const OpScope&) = delete;
 
  private:
   std::atomic<int64_t>& caller_;
+  bool owner_ = true;  // false inside an enclosing scope of this thread
 };
 
 class ShmComm {
@@ -201,6 +208,8 @@ class ShmComm {
   uint64_t rounds() const { return seq_; }
   // The flight recorder's ring of lean calls (trace.h).
   TraceRing& trace() { return trace_; }
+  // Admits a call of this thread into `scope` (see OpScope), or throws as OpScope does.
+  void admit(std::optional<OpScope>& scope, const char* op) { scope.emplace(caller_, state_, op, rank_); }
 
  private:
   // One round: acquire_slot() -> write my slot -> post() -> wait_posted() ->

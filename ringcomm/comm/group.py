@@ -71,6 +71,7 @@ class Group:
         self._state = GroupState.OPEN
         self._caller = 0  # the ident of the thread with calls in flight: see [Note: one caller thread]
         self._in_flight = 0
+        self._idle = threading.Condition(self._lock)  # notified when _in_flight drops to 0 (close waits on it)
         # The transport's handle for lean calls (collectives.py), or None while
         # they must not run inline: the transport has none, work is queued on the
         # comm thread, or the group is closed.
@@ -98,7 +99,7 @@ class Group:
                 raise self.failed(entry, err) from None
             finally:
                 with self._lock:
-                    self._in_flight -= 1
+                    self._left()
                 if event is not None:
                     event.end()
             if entry is not None:
@@ -128,8 +129,13 @@ class Group:
             raise self.failed(entry, err) from None
         finally:
             # No lock: while this call is in flight nothing else changes the count
-            # (other threads are refused above, nothing is queued to finish).
+            # (other threads are refused above, nothing is queued to finish). A
+            # close that began meanwhile waits for it: wake it (the decrement
+            # comes first, so a close that sets the state later sees it).
             self._in_flight -= 1
+            if self._state is not GroupState.OPEN:
+                with self._lock:
+                    self._idle.notify_all()
         if entry is not None:
             recorder_mod.completed(entry)
         return True
@@ -211,9 +217,15 @@ class Group:
         self._caller = caller
         self._in_flight += 1
 
+    def _left(self) -> None:
+        """Under the lock: a call left; wakes a close waiting for the last one."""
+        self._in_flight -= 1
+        if not self._in_flight:
+            self._idle.notify_all()
+
     def _finished(self, future: concurrent.futures.Future) -> None:
         with self._lock:
-            self._in_flight -= 1
+            self._left()
             if self._last is future:
                 self._last = None
                 if self._state is GroupState.OPEN:
@@ -228,8 +240,9 @@ class Group:
 
     # [Note: group lifetime] close, abort and the default groups.
     # close(t): new calls are refused ("closed"); the calls queued on the comm
-    #   thread and the one in flight inline may finish, for up to t seconds (the
-    #   group's timeout by default); what is left then is aborted. Then the
+    #   thread and the one in flight inline (every call past the open check,
+    #   which the flight recorder shows started) may finish, for up to t seconds
+    #   (the group's timeout by default); what is left then is aborted. Then the
     #   transport, the comm thread and any process group made for the group are
     #   released. As ProcessGroup.shutdown.
     # abort(): new calls are refused ("aborted"); the call in flight fails at once
@@ -243,11 +256,14 @@ class Group:
         """See [Note: group lifetime]. Idempotent; safe from any thread."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
-        executor, last = self._stop(GroupState.CLOSED)
+        executor = self._stop(GroupState.CLOSED)
         on_comm_thread = threading.get_ident() == self._comm_thread  # from a Work's callback, say
-        if last is not None and not on_comm_thread:
-            concurrent.futures.wait([last], timeout=timeout_s)
-            if not last.done():
+        if not on_comm_thread:
+            # The transport is closed only once the calls past _enter have left it:
+            # closed first, it would refuse one not yet inside.
+            with self._lock:
+                drained = self._idle.wait_for(lambda: not self._in_flight, timeout_s)
+            if not drained:
                 self._abort_transport()
         if executor is not None:
             executor.shutdown(wait=not on_comm_thread)
@@ -256,7 +272,7 @@ class Group:
 
     def abort(self) -> None:
         """See [Note: group lifetime]. Idempotent; safe from any thread."""
-        executor, _ = self._stop(GroupState.ABORTED)
+        executor = self._stop(GroupState.ABORTED)
         self._abort_transport()
         if executor is not None:
             executor.shutdown(wait=False)  # the rest fails without starting; the thread then ends
@@ -266,15 +282,14 @@ class Group:
     def state(self) -> GroupState:
         return self._state
 
-    def _stop(self, state: GroupState) -> tuple[concurrent.futures.ThreadPoolExecutor | None,
-                                                 concurrent.futures.Future | None]:
-        """Refuses new calls; hands over the comm thread and its last call."""
+    def _stop(self, state: GroupState) -> concurrent.futures.ThreadPoolExecutor | None:
+        """Refuses new calls; hands over the comm thread."""
         with self._lock:
             if self._state is GroupState.OPEN or state is GroupState.ABORTED:
                 self._state = state
             self.lean_handle = self._idle_handle = None
             executor, self._executor = self._executor, None
-            return executor, self._last
+            return executor
 
     def _abort_transport(self) -> None:
         with self._lock:
