@@ -26,7 +26,7 @@ from harness import run_ranks
 from zero_reference import CLIP, LR, MICRO, engine_config, loss_fn, make_batch, make_model
 
 import zero
-from zero.checkpoint import load as checkpoint_load, to_deepspeed, to_fp32
+from zero.checkpoint import load as checkpoint_load, model_files, to_deepspeed, to_fp32
 
 KIND, SAVED_WORLD, SAVED_STEPS, MORE_STEPS = "tied", 2, 2, 3
 STAGES = (0, 1, 2, 3)
@@ -298,7 +298,7 @@ def test_to_fp32_writes_over_an_output_only_when_asked(source, tmp_path, monkeyp
         with open(path, "wb") as f:
             f.write(b"half")
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(to_fp32, "write_torch", full_disk)
+    monkeypatch.setattr(model_files, "write_torch", full_disk)
     listed = sorted(os.listdir(tmp_path))
     with open(out, "w") as f:
         f.write("kept")

@@ -51,7 +51,8 @@ class CheckpointParts:
     scaler: Stateful
     scheduler: object | None  # Stateful when it has state_dict (a client's may not)
     progress: Stateful
-    full_params_fp32: Callable[[], list[torch.Tensor]]  # collective: every trainable parameter's fp32 master, whole
+    # collective: read(index) of whole fp32 masters, one bucket gathered at a time (ParamGroup.whole_masters)
+    whole_masters: Callable[[], contextlib.AbstractContextManager[Callable[[int], torch.Tensor]]]
     layout: dict[str, int]  # world_size, micro_batch_size, gradient_accumulation_steps, train_batch_size
     config: object  # the engine's parsed config (runtime/config.py's EngineConfig), for DeepSpeed's facts
 

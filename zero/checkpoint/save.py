@@ -35,9 +35,10 @@ import torch
 
 from .barrier import failure, store_agree
 from .deepspeed_optim import built_by
-from .format import ENGINE_STATE, FORMAT, MANIFEST, MODEL_STATES, NamedShard, manifest_entry, shard_file
+from .format import ENGINE_STATE, FORMAT, MANIFEST, MODEL_STATES, NamedShard, SavedShards, manifest_entry, shard_file
+from .model_files import ModelLayout, module_layout, plan_files, write_files
 from .parts import CheckpointOptions, CheckpointParts
-from .tensorfile import SafetensorsReader, TensorSpec, fsync_dir, write_safetensors
+from .tensorfile import SafetensorsReader, TensorSpec, fsync_dir, write_safetensors, write_torch
 
 log = logging.getLogger("zero")
 
@@ -121,21 +122,16 @@ def state_dict_keys(parts: CheckpointParts) -> list[tuple[str, str | None]]:
     return [(key, name_of.get(id(params.get(key)))) for key in parts.module.state_dict(keep_vars=True)]
 
 
-def module_state_dict(parts: CheckpointParts, full: list[torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def layout(parts: CheckpointParts) -> tuple[ModelLayout, dict[str, int | None]]:
     """The module's state_dict (every key: tied names, buffers, frozen
-    parameters) with the trainable parameters taken from `full`, in `dtype`."""
-    index = {id(p): i for i, p in enumerate(parts.trainable)}
-    params = dict(parts.module.named_parameters(remove_duplicate=False))
-    state, made = {}, {}
-    for name, tensor in parts.module.state_dict(keep_vars=True).items():
-        param = params.get(name)
-        if param is not None and id(param) in index:
-            i = index[id(param)]
-            made.setdefault(i, full[i].to(dtype))  # tied names share one tensor, as in state_dict()
-            state[name] = made[i]
-        else:
-            state[name] = tensor.detach().clone()
-    return state
+    parameters) as written, the trainable parameters whole in the training dtype."""
+    shapes = parts.param_shapes()
+    return module_layout(parts.module, parts.trainable, [shapes[name] for name in parts.param_names], parts.dtype)
+
+
+def module_tensor(parts: CheckpointParts, name: str) -> torch.Tensor:
+    """A buffer or frozen parameter of the module, as its state_dict holds it."""
+    return parts.module.state_dict(keep_vars=True)[name].detach()
 
 
 @contextlib.contextmanager
@@ -200,24 +196,42 @@ def prepare(save_dir: str, tag: str, partial: str) -> None:
         os.makedirs(partial)
 
 
-def write_rank0_files(parts: CheckpointParts, state_bytes: bytes, full: list[torch.Tensor], partial: str) -> None:
+def write_rank0_files(parts: CheckpointParts, state_bytes: bytes, partial: str) -> None:
     """engine_state.pt, model_states.pt, then the manifest of every file."""
     write_file(os.path.join(partial, ENGINE_STATE), state_bytes)
-    path = os.path.join(partial, MODEL_STATES)
-    with writing("save_checkpoint", path), open(path, "wb") as f:  # streamed: the whole model, in the training dtype
-        torch.save(module_state_dict(parts, full, parts.dtype), f)
-        f.flush()
-        os.fsync(f.fileno())
-    files = {name: manifest_entry(os.path.join(partial, name), crc=True) for name in (ENGINE_STATE, MODEL_STATES)}
+    files = {}
     for r in range(parts.world_size):
         path = shard_file(partial, r, parts.world_size)
         with SafetensorsReader(path) as reader:
             header_crc = zlib.crc32(reader.header_bytes)
         files[os.path.basename(path)] = manifest_entry(path, header_crc=header_crc)
+    path = os.path.join(partial, MODEL_STATES)
+    with writing("save_checkpoint", path):
+        write_model_states(parts, partial, {"files": files}, path)
+    files.update({name: manifest_entry(os.path.join(partial, name), crc=True) for name in (ENGINE_STATE, MODEL_STATES)})
     manifest = {"format": FORMAT, "files": files}
     write_file(os.path.join(partial, MANIFEST), json.dumps(manifest, indent=1).encode())
     with writing("save_checkpoint", partial):
         fsync_dir(partial)
+
+
+def write_model_states(parts: CheckpointParts, partial: str, manifest: dict, path: str) -> None:
+    """model_states.pt: the whole module's state_dict in the training dtype,
+    written one tensor at a time with the trainable parameters read back from
+    the shard files every rank just wrote: no rank gathers the model."""
+    model, sources = layout(parts)
+    saved = SavedShards(partial, parts.world_size, manifest)
+
+    def fill(spec: TensorSpec) -> torch.Tensor:
+        if sources[spec.name] is None:
+            return module_tensor(parts, spec.name)
+        out = torch.empty(spec.numel, dtype=torch.float32)
+        saved.read(parts.param_names[sources[spec.name]], "master", out, 0)
+        return out.view(spec.shape).to(spec.dtype)
+    try:
+        write_torch(path, model.specs, fill, model.aliases)
+    finally:
+        saved.close()
 
 
 def save(parts: CheckpointParts, save_dir: str, tag: str | None = None, client_state: dict | None = None, *,
@@ -245,7 +259,6 @@ def save(parts: CheckpointParts, save_dir: str, tag: str | None = None, client_s
             prepare(save_dir, tag, partial)
     agree(f"{what}: {partial} made", rank, attempt(start) if rank == 0 else (None, None), partial=None,
           timeout_s=timeout_s)
-    full = parts.full_params_fp32()  # collective: before any rank may stop at a barrier
     path = shard_file(partial, rank, world_size)
 
     def write() -> None:
@@ -257,7 +270,7 @@ def save(parts: CheckpointParts, save_dir: str, tag: str | None = None, client_s
     failed = (None, None)
     if rank == 0:
         def finish() -> None:
-            write_rank0_files(parts, state_bytes, full, partial)
+            write_rank0_files(parts, state_bytes, partial)
             options.phase("committing", rank)
             with writing("save_checkpoint", directory):
                 commit(save_dir, tag, partial, directory, save_latest=save_latest, options=options)
@@ -300,12 +313,39 @@ def recover(save_dir: str, tag: str) -> None:
             fsync_dir(save_dir)
 
 
-def save_16bit_model(parts: CheckpointParts, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+def save_16bit_model(parts: CheckpointParts, save_dir: str, save_filename: str = "pytorch_model.bin", *,
+                     exclude_frozen_parameters: bool = False, max_shard_size: int | str | None = None,
+                     timeout_s: float = 600.0) -> bool:
     """Collective: rank 0 writes the whole module's state_dict in the training
-    dtype (stage 3 gathers the shards), as DeepSpeed's save_16bit_model."""
-    full = parts.full_params_fp32()
-    if parts.rank != 0:
-        return True
-    os.makedirs(save_dir, exist_ok=True)
-    torch.save(module_state_dict(parts, full, parts.dtype), os.path.join(save_dir, save_filename))
+    dtype, as DeepSpeed's save_16bit_model, one tensor at a time: every rank
+    takes part in gathering one bucket at a time (ParamGroup.whole_masters), so
+    no rank holds the model. A `save_filename` ending in .safetensors writes
+    safetensors; `max_shard_size` splits the model into Hugging Face's shards and
+    index ([Note: sharded model files]); exclude_frozen_parameters leaves out
+    the parameters that do not require grad. A failed write is the same error
+    on every rank."""
+    fmt = "safetensors" if save_filename.endswith(".safetensors") else "torch"
+    if os.sep in save_filename or not save_filename:
+        raise ValueError(f"save_16bit_model: save_filename {save_filename!r} must be a file name")
+    model, sources = layout(parts)
+    if exclude_frozen_parameters:
+        frozen = {name for name, p in parts.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        model = ModelLayout([spec for spec in model.specs if spec.name not in frozen], model.aliases)
+    plans = plan_files(model, save_filename, fmt, max_shard_size)
+    asked = 0
+    with parts.whole_masters() as read:
+        def fill(spec: TensorSpec) -> torch.Tensor:
+            nonlocal asked
+            asked += 1
+            index = sources[model.aliases.get(spec.name, spec.name)]  # a safetensors copy of a tied name too
+            return module_tensor(parts, spec.name) if index is None else read(index).to(spec.dtype)
+
+        failed: tuple[str | None, BaseException | None] = (None, None)
+        if parts.rank == 0:
+            failed = attempt(lambda: write_files(save_dir, save_filename, plans, fill, fmt))
+        order = [spec for plan in plans for spec in plan.specs]
+        for spec in order[asked:]:  # every rank gathers what rank 0 asked for (all of it, also after a failure)
+            fill(spec)
+    agree(f"save_16bit_model {os.path.join(save_dir, save_filename)}", parts.rank, failed, partial=None,
+          timeout_s=timeout_s)
     return True

@@ -1,8 +1,10 @@
-"""Consolidates a checkpoint's named fp32 shards into one state_dict file that
-loads strictly into the plain model (tied names and buffers included), one
-parameter at a time: peak memory is the largest parameter plus small buffers.
+"""Consolidates a checkpoint's named fp32 shards into one state_dict file (or
+Hugging Face's shards and index) that loads strictly into the plain model
+(tied names and buffers included), one parameter at a time: peak memory is
+the largest parameter plus small buffers.
 
     python -m zero.to_fp32 CKPT_DIR OUT [--tag TAG] [--format safetensors|torch] [--overwrite]
+                                        [--max-shard-size SIZE]
 
 CKPT_DIR is a save_dir (its `latest`, or --tag, picks the checkpoint) or a
 checkpoint directory itself; OUT's suffix .safetensors picks that format,
@@ -23,9 +25,10 @@ import torch
 
 from .format import (MANIFEST, MODEL_STATES, SavedShards, check_file, load_plain, read_engine_state, read_manifest,
                      resolve)
-from .output import check_empty, check_outside, first_missing, partial_file, remove_made
+from .model_files import ModelLayout, parse_size, plan_files, stale_files, write_files
+from .output import check_empty, check_outside, first_missing, remove_made
 from .save import writing
-from .tensorfile import TensorSpec, write_safetensors, write_torch
+from .tensorfile import TensorSpec
 
 FORMATS = ("safetensors", "torch")
 FOLDER_FILES = {"torch": "pytorch_model.bin", "safetensors": "model.safetensors"}  # DeepSpeed's zero_to_fp32.py names
@@ -44,33 +47,20 @@ def output_format(output: str, fmt: str | None) -> str:
     return fmt
 
 
-def output_file(output: str, fmt: str | None) -> tuple[str, str]:
+def output_file(output: str, fmt: str | None, sharded: bool = False) -> tuple[str, str]:
     """(the file to write, its format): `output`, or in a folder (one that
-    exists, or `output` ending in a separator) DeepSpeed's file name for the
-    format (default torch), as its zero_to_fp32.py writes."""
-    if output.endswith(os.sep) or os.path.isdir(output):
-        fmt = output_format("", fmt)
+    exists, or `output` ending in a separator; always when `sharded`)
+    DeepSpeed's file name for the format (default torch, safetensors when
+    `sharded`), as its zero_to_fp32.py writes."""
+    if sharded or output.endswith(os.sep) or os.path.isdir(output):
+        fmt = output_format(".safetensors" if sharded else "", fmt)
         return os.path.join(output, FOLDER_FILES[fmt]), fmt
     return output, output_format(output, fmt)
 
 
-def convert(checkpoint_dir: str, output: str, *, tag: str | None = None, fmt: str | None = None,
-            overwrite: bool = False) -> str:
-    """Writes the consolidated fp32 state_dict of a checkpoint to `output` (a
-    file, or a folder: output_file) through a hidden sibling and a rename;
-    returns the file's path. ValueError when `output` is, is inside or contains
-    the checkpoint, or (unless `overwrite`) is a file that is not empty."""
-    directory = checkpoint_directory(checkpoint_dir, tag)
-    path, fmt = output_file(output, fmt)
-    check_outside("to_fp32", output, (checkpoint_dir, directory))
-    check_outside("to_fp32", path, (checkpoint_dir, directory))
-    check_empty("to_fp32", path, folder=False, overwrite=overwrite)
-    manifest = read_manifest(directory)
-    state = read_engine_state(directory, manifest)
-    extras = None
-    if any(param is None for _, param in state["state_dict"]):
-        extras = load_plain(check_file(directory, manifest, MODEL_STATES, crc=True), mmap=True)
-    specs, sources, aliases, first_key = [], {}, {}, {}
+def layout(state: dict, extras: dict | None) -> tuple[ModelLayout, dict[str, str | None]]:
+    """The consolidated state_dict's tensors, and each one's trainable parameter (None: from model_states.pt)."""
+    specs, aliases, sources, first_key = [], {}, {}, {}
     for key, param in state["state_dict"]:
         if param is not None and param in first_key:
             aliases[key] = first_key[param]  # tied: one tensor, two names
@@ -80,39 +70,60 @@ def convert(checkpoint_dir: str, output: str, *, tag: str | None = None, fmt: st
             specs.append(TensorSpec(key, tuple(state["params"][param]), torch.float32))
         else:
             value = extras[key]
-            specs.append(TensorSpec(key, tuple(value.shape), torch.float32 if value.is_floating_point() else value.dtype))
+            dtype = torch.float32 if value.is_floating_point() else value.dtype
+            specs.append(TensorSpec(key, tuple(value.shape), dtype))
         sources[key] = param
+    return ModelLayout(specs, aliases), sources
+
+
+def convert(checkpoint_dir: str, output: str, *, tag: str | None = None, fmt: str | None = None,
+            overwrite: bool = False, max_shard_size: int | str | None = None) -> str:
+    """Writes the consolidated fp32 state_dict of a checkpoint to `output` (a
+    file, or a folder: output_file), one tensor at a time; returns the file's
+    path (the index's, when sharded). `max_shard_size` ("2GB") splits it into
+    Hugging Face's shards and index in the folder `output` ([Note: sharded
+    model files]). ValueError when `output` is, is inside or contains the
+    checkpoint, or (unless `overwrite`) holds files it would write over."""
+    if max_shard_size is not None:
+        parse_size(max_shard_size)  # a bad size fails before anything is read
+    directory = checkpoint_directory(checkpoint_dir, tag)
+    path, fmt = output_file(output, fmt, sharded=max_shard_size is not None)
+    folder, filename = os.path.split(os.path.abspath(path))
+    check_outside("to_fp32", output, (checkpoint_dir, directory))
+    check_outside("to_fp32", path, (checkpoint_dir, directory))
+    check_empty("to_fp32", path, folder=False, overwrite=overwrite)
+    stale = stale_files(folder, filename, [path]) if os.path.isdir(folder) else []
+    if stale and not overwrite:
+        raise ValueError(f"to_fp32: {folder} holds an earlier output ({', '.join(map(os.path.basename, stale[:3]))}"
+                         f"{', ...' if len(stale) > 3 else ''}); pass --overwrite (overwrite=True) to replace it")
+    manifest = read_manifest(directory)
+    state = read_engine_state(directory, manifest)
+    extras = None
+    if any(param is None for _, param in state["state_dict"]):
+        extras = load_plain(check_file(directory, manifest, MODEL_STATES, crc=True), mmap=True)
+    model, sources = layout(state, extras)
+    plans = plan_files(model, filename, fmt, max_shard_size)
     saved = SavedShards(directory, state["world_size"], manifest)
 
     def fill(spec: TensorSpec) -> torch.Tensor:
-        param = sources[spec.name]
+        name = model.aliases.get(spec.name, spec.name)  # a safetensors copy of a tied name
+        param = sources[name]
         if param is None:
-            return extras[spec.name].to(spec.dtype)
+            return extras[name].to(spec.dtype)
         out = torch.empty(spec.numel, dtype=torch.float32)
         saved.read(param, "master", out, 0)
         return out.view(spec.shape)
 
-    partial, made = partial_file(path), first_missing(os.path.dirname(os.path.abspath(path)))
+    made = first_missing(folder)
     try:
-        with writing("to_fp32", os.path.dirname(partial)):
-            os.makedirs(os.path.dirname(partial), exist_ok=True)
-        if fmt == "torch":
-            write_torch(partial, specs, fill, aliases)
-        else:  # safetensors holds no shared tensors: a tied name gets its own copy
-            by_name = {spec.name: spec for spec in specs}
-            specs = specs + [TensorSpec(alias, by_name[target].shape, torch.float32) for alias, target in aliases.items()]
-            sources.update({alias: sources[target] for alias, target in aliases.items()})
-            write_safetensors(partial, specs, fill, {"format": "pt"})
-        with writing("to_fp32", path):
-            os.replace(partial, path)
+        with writing("to_fp32", folder):
+            paths = write_files(folder, filename, plans, fill, fmt)
     except BaseException:
-        if os.path.exists(partial):
-            os.remove(partial)
         remove_made(made)
         raise
     finally:
         saved.close()
-    return path
+    return paths[-1]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -122,9 +133,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tag", default=None, help="checkpoint tag (default: the one `latest` names)")
     parser.add_argument("--format", choices=FORMATS, default=None, help="default: from OUT's suffix")
     parser.add_argument("--overwrite", action="store_true", help="write over an OUT that is not empty")
+    parser.add_argument("--max-shard-size", default=None, metavar="SIZE",
+                        help="split into Hugging Face's shards of at most SIZE ('2GB', '500MiB', bytes) and an "
+                             "index, in the folder OUT (default format then: safetensors)")
     args = parser.parse_args(argv)
     try:
-        print(convert(args.checkpoint_dir, args.output, tag=args.tag, fmt=args.format, overwrite=args.overwrite))
+        print(convert(args.checkpoint_dir, args.output, tag=args.tag, fmt=args.format, overwrite=args.overwrite,
+                      max_shard_size=args.max_shard_size))
     except ValueError as error:  # the caller's paths or checkpoint: the message says it all
         sys.exit(f"{parser.prog}: error: {error}")
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -230,9 +230,10 @@ class NvmeParamGroup(HostParamGroup):
                     self.copy_out(index, 0, bucket.master)
             self.finish_publish()
 
-    def full_masters(self) -> list[torch.Tensor]:
-        with self._masters_in_memory(write_back=False):
-            return super().full_masters()
+    @contextlib.contextmanager
+    def whole_masters(self) -> Iterator[Callable[[int], torch.Tensor]]:
+        with self._masters_in_memory(write_back=False), super().whole_masters() as read:
+            yield read
 
     def offloaded_states(self) -> contextlib.AbstractContextManager:
         return self._masters_in_memory(write_back=True)

@@ -304,7 +304,7 @@ class ZeroEngine:
             module=self.module, param_names=parts.param_names, trainable=parts.trainable,
             param_shapes=lambda: param_shapes(parts.group), shards=parts.group, optimizer=self.optimizer,
             scaler=parts.scaler, scheduler=self.lr_scheduler, progress=self.progress,
-            full_params_fp32=self.full_params_fp32, config=self.config, layout={
+            whole_masters=parts.group.whole_masters, config=self.config, layout={
                 "world_size": self.world_size, "micro_batch_size": self.train_micro_batch_size_per_gpu(),
                 "gradient_accumulation_steps": self.gradient_accumulation_steps(),
                 "train_batch_size": self.train_batch_size()})
@@ -338,8 +338,15 @@ class ZeroEngine:
                                     load_lr_scheduler_states=load_lr_scheduler_states,
                                     load_module_only=load_module_only, options=self.checkpoint_options)
 
-    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
-        return checkpoint_save.save_16bit_model(self.checkpoint_parts(), save_dir, save_filename)
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False, *, max_shard_size: int | str | None = None) -> bool:
+        """As DeepSpeed's, gathering one bucket at a time; `max_shard_size` ("2GB")
+        writes Hugging Face's shards and index, a .safetensors name safetensors
+        (zero/checkpoint/model_files.py)."""
+        return checkpoint_save.save_16bit_model(self.checkpoint_parts(), save_dir, save_filename,
+                                                exclude_frozen_parameters=exclude_frozen_parameters,
+                                                max_shard_size=max_shard_size,
+                                                timeout_s=self.checkpoint_options.timeout_s)
 
     @property
     def last_step_sent_nbytes(self) -> int:

@@ -54,7 +54,8 @@ NO_EFFECT: dict[str, tuple[Callable[[object], bool], str]] = {
     "zero_optimization.zero_quantized_nontrainable_weights": (
         _is(False), "frozen parameters are not partitioned (every rank keeps them whole): none is gathered"),
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": (
-        _is(True), "save_16bit_model always gathers the whole model on rank 0"),
+        _is(True), "save_16bit_model always writes the whole model (rank 0 writes; every rank gathers one "
+                   "bucket at a time)"),
 }
 
 

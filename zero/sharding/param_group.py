@@ -17,7 +17,7 @@ and the engine call: unshard / reshard (stage 3), reduce_grads, step.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -328,18 +328,41 @@ class ParamGroup:
 
     def full_masters(self) -> list[torch.Tensor]:
         """Every parameter's whole fp32 master, in parameter-index order (collective;
-        for checkpoints and tests, not counted as step traffic)."""
-        counts, out = self.comm.take_wire(), {}
-        for bucket in self.buckets:
-            whole = bucket.master
-            if self.policy.shard_optimizer:
-                whole = torch.empty(bucket.span.numel, dtype=torch.float32, device=bucket.master.device)
-                self.comm.all_gather(whole, bucket.master.contiguous()).wait()
-            for index, span, shape in zip(bucket.indices, bucket.spans, bucket.shapes):
-                out[index] = whole[span.begin:span.end].detach().clone().view(shape)
-        self.comm.take_wire()
-        self.comm.restore_wire(counts)
+        for tests and small models: it holds the whole model, see whole_masters)."""
+        with self.whole_masters() as read:
+            out = {index: read(index).clone() for bucket in self.buckets for index in bucket.indices}
         return [out[i] for i in sorted(out)]
+
+    @contextlib.contextmanager
+    def whole_masters(self) -> Iterator[Callable[[int], torch.Tensor]]:
+        """Yields read(index): a trainable parameter's whole fp32 master, a view
+        valid until the next read. Collective: every rank reads the same indices
+        in the same order. A read all-gathers its parameter's bucket unless that
+        bucket was the last one read, so reads in bucket order gather each bucket
+        once and hold one bucket at a time (checkpoints of models larger than a
+        rank's memory). Not counted as step traffic."""
+        where = {index: (bucket, span, shape) for bucket in self.buckets
+                 for index, span, shape in zip(bucket.indices, bucket.spans, bucket.shapes)}
+        current: list = [None, None]  # the bucket read last, its whole master
+
+        def read(index: int) -> torch.Tensor:
+            bucket, span, shape = where[index]
+            if current[0] is not bucket:
+                current[:] = [None, None]  # the previous bucket's buffer goes before the next one comes
+                whole = bucket.master
+                if self.policy.shard_optimizer:
+                    whole = torch.empty(bucket.span.numel, dtype=torch.float32, device=bucket.master.device)
+                    self.comm.all_gather(whole, bucket.master.contiguous()).wait()
+                current[:] = [bucket, whole]
+            return current[1][span.begin:span.end].view(shape)
+
+        counts = self.comm.take_wire()
+        try:
+            yield read
+        finally:
+            current.clear()
+            self.comm.take_wire()
+            self.comm.restore_wire(counts)
 
 
 def fold_into_master(master: torch.Tensor, values: torch.Tensor) -> None:
