@@ -205,19 +205,39 @@ class SavedShards:
     def read(self, name: str, kind: str, out: torch.Tensor, begin: int) -> set[str]:
         """Fills `out` (elements [begin, begin + out.numel()) of `name`'s `kind`
         tensor) from the saved ranges; returns which kinds the ranges hold."""
-        covered, kinds = 0, set()
-        for reader, shard, lo, hi in self.overlaps(name, begin, begin + out.numel()):
+        kinds = set()
+        for reader, tensor, shard, lo, hi in self._ranges(name, kind, begin, out.numel()):
+            reader.read(tensor, out[lo - begin:hi - begin], lo - shard.offset)
+            kinds |= self.kinds_of(reader, shard)
+        return kinds
+
+    def check(self, name: str, kind: str, begin: int, numel: int) -> set[str]:
+        """As read, reading nothing but checksums: what a later read needs is there and intact."""
+        return set().union(*(self.kinds_of(reader, shard) for reader, _, shard, _, _ in
+                             self._ranges(name, kind, begin, numel)))
+
+    def _ranges(self, name: str, kind: str, begin: int, numel: int):
+        """(reader, tensor name, saved shard, first, last + 1) of each saved range of
+        elements [begin, begin + numel) of `name`'s `kind`, each tensor's crc32
+        verified; a ValueError unless they cover it exactly."""
+        covered = 0
+        for reader, shard, lo, hi in self.overlaps(name, begin, begin + numel):
             tensor = self.tensor(reader, shard, kind)
             if reader.specs[tensor].shape != (shard.numel,):
                 raise ValueError(f"{reader.path}: {tensor} has shape {reader.specs[tensor].shape}, the index says "
                                  f"({shard.numel},)")
-            reader.read(tensor, out[lo - begin:hi - begin], lo - shard.offset)
+            yield reader, tensor, shard, lo, hi
             covered += hi - lo
-            kinds |= self.kinds_of(reader, shard)
-        if covered != out.numel():
+        if covered != numel:
             raise ValueError(f"load_checkpoint: the saved shards cover {covered} of elements [{begin}, "
-                             f"{begin + out.numel()}) of {name}")
-        return kinds
+                             f"{begin + numel}) of {name}")
+
+    def elementwise(self, name: str, offset: int, numel: int, kind: str) -> torch.dtype | None:
+        """The dtype of optimizer state `kind` of `name` when it is elementwise
+        (None: a scalar, as Adam's step)."""
+        reader, first, _, _ = next(self.overlaps(name, offset, offset + numel))
+        spec = reader.specs[self.tensor(reader, first, kind)]
+        return spec.dtype if spec.shape == (first.numel,) else None
 
     def kinds_of(self, reader: SafetensorsReader, shard: NamedShard) -> set[str]:
         """What a saved shard holds: "master" and its optimizer states' keys."""

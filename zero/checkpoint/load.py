@@ -1,20 +1,25 @@
 """Loading a checkpoint into an engine, all or nothing on every rank: each rank
-reads and checks everything it will use into staging tensors, the ranks agree
-that all of them did, and only then does any rank change its state.
+checks everything it will use, the ranks agree that all of them did, and only
+then does any rank change its state.
 
 [Note: validate, agree, apply]
     every rank   stage(): resolve the tag, read the manifest, the engine state
                  (plain data; or DeepSpeed's files, deepspeed_files.py,
                  served through the same calls), check names, shapes, dtypes, the batch layout,
-                 read every master slice and optimizer state this rank updates
-                 into new tensors, each saved tensor's crc32 checked first
+                 and every master slice and optimizer state this rank updates:
+                 each saved tensor's crc32 and that the saved ranges cover it
     agree        (barrier.py: a deadline; carries each rank's error)
     every rank   apply(): each stateful part (parts.py) loads its staged
                  state: buffers, scaler, scheduler, counters, then the
                  shards (masters, optimizer states), which publish the masters
 If any rank failed to stage, every rank raises the same ValueError naming
 each failing rank's file and tensor or parameter, and no rank changed
-anything. Staging holds one extra copy of this rank's masters and states.
+anything. zero's own shards are read at apply straight into the masters and
+optimizer states they restore (SavedRange), one range at a time, so a load
+holds no second copy of the rank's states (a checkpoint of a model larger
+than memory loads); what apply reads was checksummed at stage, so only an
+I/O error or a file changed in between can fail it. DeepSpeed's files are
+read into staging tensors (their layout is whole flat groups per rank).
 
 [Note: what a resume restores]
 As DeepSpeed: global_steps, global_samples, skipped_steps, the LR scheduler,
@@ -45,8 +50,8 @@ import torch
 from .barrier import store_agree
 from .deepspeed_files import DeepSpeedShards, is_deepspeed
 from .deepspeed_optim import check_resumes
-from .format import (ENGINE_STATE, MANIFEST, MODEL_STATES, SavedShards, check_file, load_plain, read_engine_state,
-                     read_manifest, resolve)
+from .format import (ENGINE_STATE, MANIFEST, MODEL_STATES, NamedShard, SavedShards, check_file, load_plain,
+                     read_engine_state, read_manifest, resolve)
 from .parts import CheckpointOptions, CheckpointParts
 
 log = logging.getLogger("zero")
@@ -68,10 +73,11 @@ class Staged:
 
     directory: str
     state: dict
-    masters: dict[str, torch.Tensor]  # shard key -> fp32 values of that master slice
-    optimizer: dict[str, dict[str, torch.Tensor]]  # shard key -> its optimizer state
+    masters: dict[str, torch.Tensor | SavedRange]  # shard key -> fp32 values of that master slice
+    optimizer: dict[str, dict[str, torch.Tensor | SavedRange]]  # shard key -> its optimizer state
     extras: dict[str, torch.Tensor]  # buffers and frozen parameters, by state_dict key
     scaler: bool  # restore the loss scaler
+    saved: SavedShards | DeepSpeedShards  # open until apply has read the SavedRanges
 
 
 def load(parts: CheckpointParts, load_dir: str, tag: str | None = None, *, load_module_strict: bool = True,
@@ -91,11 +97,21 @@ def load(parts: CheckpointParts, load_dir: str, tag: str | None = None, *, load_
         staged = stage(parts, load_dir, tag, load_options)
     except Exception as caught:  # every failure to read or check, agreed on below
         message, error = f"{type(caught).__name__}: {caught}", caught
-    failures = store_agree(f"load_checkpoint {load_dir}", options.timeout_s, message)
+    try:
+        failures = store_agree(f"load_checkpoint {load_dir}", options.timeout_s, message)
+    except BaseException:
+        if staged is not None:
+            staged.saved.close()
+        raise
     if failures:
+        if staged is not None:
+            staged.saved.close()
         raise ValueError(f"load_checkpoint {load_dir} (tag {tag}): nothing was loaded on any rank; "
                          + "; ".join(f"rank {r}: {m}" for r, m in failures)) from error
-    apply(parts, staged, load_options)
+    try:
+        apply(parts, staged, load_options)
+    finally:
+        staged.saved.close()
     return staged.directory, staged.state["client_state"]
 
 
@@ -121,9 +137,11 @@ def stage(parts: CheckpointParts, load_dir: str, tag: str | None, options: LoadO
         check_engine(parts, where, directory, state, options)
         masters, optimizer = stage_shards(parts, saved, options)
         extras = stage_extras(parts, module_states, strict=options.strict)
-    finally:
+    except BaseException:
         saved.close()
-    return Staged(directory, state, masters, optimizer, extras, scaler=restores_scaler(parts, state, options))
+        raise
+    return Staged(directory, state, masters, optimizer, extras, scaler=restores_scaler(parts, state, options),
+                  saved=saved)
 
 
 def check_engine(parts: CheckpointParts, where: str, directory: str, state: dict, options: LoadOptions) -> None:
@@ -197,19 +215,49 @@ def warn_mid_accumulation(directory: str, state: dict) -> None:
                     f"resumes at the boundary after global step {counters['global_steps']}")
 
 
-def stage_shards(parts: CheckpointParts, saved: SavedShards, options: LoadOptions) -> tuple[dict, dict]:
-    """This rank's master slices (and optimizer states) read into new tensors."""
+@dataclass(frozen=True, slots=True)
+class SavedRange:
+    """Elements [offset, offset + numel) of a saved fp32 tensor: checked (crc32,
+    coverage) when staged, read at apply straight into the tensor it restores,
+    so a load holds no second copy of the rank's states ([Note: validate, agree, apply])."""
+
+    saved: SavedShards
+    name: str
+    kind: str
+    offset: int
+    numel: int
+
+    def read_into(self, out: torch.Tensor) -> torch.Tensor:
+        self.saved.read(self.name, self.kind, out.view(-1), self.offset)
+        return out
+
+
+def stage_shards(parts: CheckpointParts, saved: SavedShards | DeepSpeedShards,
+                 options: LoadOptions) -> tuple[dict, dict]:
+    """This rank's master slices (and optimizer states): zero's own checked,
+    to be read at apply (SavedRange; scalars read now); DeepSpeed's read into new tensors."""
     masters, optimizer = {}, {}
+    deferred = isinstance(saved, SavedShards)
     for shard in parts.shards.state_dict().values():  # names and ranges only: the views are not touched here
         if shard.name not in saved.by_name:  # not saved, and load_module_strict is off
             continue
-        out = torch.empty(shard.numel, dtype=torch.float32)
-        kinds = saved.read(shard.name, "master", out, shard.offset)
-        masters[shard.key] = out
+        if deferred:
+            kinds = saved.check(shard.name, "master", shard.offset, shard.numel)
+            masters[shard.key] = SavedRange(saved, shard.name, "master", shard.offset, shard.numel)
+        else:
+            masters[shard.key] = torch.empty(shard.numel, dtype=torch.float32)
+            kinds = saved.read(shard.name, "master", masters[shard.key], shard.offset)
         if options.optimizer_states and shard.group is not None:
-            optimizer[shard.key] = {kind: saved.state(shard.name, shard.offset, shard.numel, kind)
-                                    for kind in sorted(kinds - {"master"})}
+            optimizer[shard.key] = {kind: stage_state(saved, shard, kind, deferred) for kind in sorted(kinds - {"master"})}
     return masters, optimizer
+
+
+def stage_state(saved: SavedShards | DeepSpeedShards, shard: NamedShard, kind: str,
+                deferred: bool) -> torch.Tensor | SavedRange:
+    if deferred and saved.elementwise(shard.name, shard.offset, shard.numel, kind) == torch.float32:
+        saved.check(shard.name, kind, shard.offset, shard.numel)
+        return SavedRange(saved, shard.name, kind, shard.offset, shard.numel)
+    return saved.state(shard.name, shard.offset, shard.numel, kind)
 
 
 def stage_extras(parts: CheckpointParts, module_states: Callable[[], tuple[str, dict]], *, strict: bool) -> dict[str, torch.Tensor]:

@@ -3,7 +3,6 @@ slice this rank updates, named by parameter and element range, with the
 optimizer's states for it, as checkpoint/format.py's NamedShard."""
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,31 +46,56 @@ def state_dict(group: ParamGroup) -> dict[str, NamedShard]:
     return shards
 
 
-def load_state_dict(group: ParamGroup, state: dict[str, dict[str, torch.Tensor]], *, optimizer_states: bool) -> None:
+def load_state_dict(group: ParamGroup, state: dict[str, dict[str, object]], *, optimizer_states: bool) -> None:
     """Copies each saved master slice ("master", by shard key) into this rank's
     and, with `optimizer_states`, makes the saved optimizer states (the other
     kinds) the optimizer's whole state; then publishes the masters into the
-    parameters and zeroes the gradients. Keys this rank does not hold are ignored."""
+    parameters and zeroes the gradients. Keys this rank does not hold are
+    ignored. A saved value is a tensor or a saved range (checkpoint/load.py's
+    SavedRange), read straight into the master or into the parameter's new
+    optimizer state as the old one goes: no second copy of the rank's states."""
     with torch.no_grad(), group.offloaded_states():  # written back where they are offloaded on exit
-        states = {}
+        loaded = {}
         for shard, view in master_slices(group):
             saved = state.get(shard.key)
             if saved is None:
                 continue
-            view.copy_(saved["master"])
-            kinds = {kind: value for kind, value in saved.items() if kind != "master"}
-            if kinds:
-                states[view] = kinds
+            fill(view, saved["master"])
+            loaded[view] = {kind: value for kind, value in saved.items() if kind != "master"}
         if optimizer_states:
-            load_optimizer_state(group.optimizer, states)
+            load_optimizer_state(group.optimizer, loaded)
     group.publish_masters()
     group.zero_grads()
 
 
-def load_optimizer_state(optimizer: torch.optim.Optimizer, states: dict[torch.Tensor, dict]) -> None:
-    """Hands per-parameter states to the optimizer through its own
-    load_state_dict (which moves them to each parameter's device)."""
-    state_dict = optimizer.state_dict()
-    params: Sequence[torch.Tensor] = [p for group in optimizer.param_groups for p in group["params"]]
-    state_dict["state"] = {i: states[p] for i, p in enumerate(params) if states.get(p)}
-    optimizer.load_state_dict(state_dict)
+def fill(out: torch.Tensor, value: object) -> torch.Tensor:
+    """`out` takes `value`: a tensor, or a saved range read into it."""
+    if isinstance(value, torch.Tensor):
+        out.copy_(value.view(out.shape))
+    else:
+        value.read_into(out)
+    return out
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, states: dict[torch.Tensor, dict[str, object]]) -> None:
+    """Makes `states` (per parameter: kind -> tensor or saved range) the
+    optimizer's whole state, as its load_state_dict would, one parameter at a
+    time: elementwise states in the parameter's dtype and device; "step" as saved (on the parameter's device for fused
+    or capturable optimizers); parameters without saved states lose theirs."""
+    for group in optimizer.param_groups:
+        on_device = bool(group.get("fused") or group.get("capturable"))
+        for param in group["params"]:
+            saved = states.get(param)
+            if not saved:
+                optimizer.state.pop(param, None)
+                continue
+            optimizer.state.pop(param, None)  # the old state goes before the new one comes
+            optimizer.state[param] = {kind: restore(param, kind, value, on_device) for kind, value in saved.items()}
+
+
+def restore(param: torch.Tensor, kind: str, value: object, on_device: bool) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor) or (value.dim() > 0 and value.numel() == param.numel()):
+        return fill(torch.empty_like(param, memory_format=torch.contiguous_format), value)
+    if kind == "step":
+        return value.to(dtype=torch.float32, device=param.device) if on_device else value
+    return value.to(dtype=param.dtype, device=param.device) if value.is_floating_point() else value.to(param.device)
