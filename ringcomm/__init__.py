@@ -32,7 +32,7 @@ _HOMES = {
     "BucketScheduler": "buckets.flat_scheduler",
     "CpuCapabilities": "kernels.cpu", "cpu_capabilities": "kernels.cpu", "cpu_capability": "kernels.cpu",
     "Group": "comm.group", "GroupOptions": "comm.group", "GroupState": "comm.group", "create_group": "comm.group",
-    "default_group": "comm.group", "destroy_default_group": "comm.group", "new_group": "comm.group",
+    "default_group": "comm.registry", "destroy_default_group": "comm.registry", "new_group": "comm.registry",
     "OverlapReport": "buckets.launch",
     "BufferLayout": "plan.layout", "BucketSpan": "plan.layout", "ParamSlot": "plan.layout",
     "plan_buckets": "plan.layout", "plan_groups": "plan.layout", "plan_module_buckets": "plan.layout",

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 import torch
 
 from ..comm.collectives import all_reduce, broadcast, reduce_scatter
-from ..comm.group import Group, resolve_group
+from ..comm.group import Group
+from ..comm.registry import resolve_group
 from ..comm.work import Work
 from ..core.ops import ReduceOp, to_reduce_op
 from .buffer import FlatBuffer, GradBucket

@@ -1,5 +1,6 @@
 """What users call: group.py holds Group (ranks, their transport, the comm
-thread) and the registry of groups; collectives.py checks arguments and
+thread), registry.py the registry of groups (new_group, the default group,
+resolve_group); collectives.py checks arguments and
 runs the public collectives; coalesced.py packs lists of tensors into one
 call per bucket; quantized.py is ZeRO++'s quantized all-gather and
 reduce-scatter; aliasing.py handles inputs that share memory with outputs;

@@ -18,7 +18,8 @@ import torch
 from ..core.ops import ReduceOp
 from ..plan.layout import plan_buckets
 from .collectives import all_gather, reduce_scatter
-from .group import Group, resolve_group
+from .group import Group
+from .registry import resolve_group
 from .work import Work
 
 

@@ -19,7 +19,8 @@ from .. import _C
 from ..core import compat
 from ..core.ops import DTYPE_CODES, ReduceOp, dtype_code, to_reduce_op
 from . import aliasing
-from .group import Group, resolve_group
+from .group import Group
+from .registry import resolve_group
 from .work import Work
 
 # ---- the lean path: see [Note: lean path]. Each returns whether the call ran. ----

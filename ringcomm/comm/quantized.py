@@ -48,7 +48,8 @@ from ..core.ops import ReduceOp, to_reduce_op
 from ..kernels import quant
 from ..transport.agreement import CallKey
 from ..transport.base import Levels, Transport
-from .group import Group, resolve_group
+from .group import Group
+from .registry import resolve_group
 from .work import Work
 
 
