@@ -175,3 +175,20 @@ def test_stage3_saves_and_loads_without_holding_the_model(tmp_path) -> None:
         for what, peak in peaks.items():
             assert peak < model_nbytes // 2, f"rank {rank}: {what} raised the peak RSS by {peak >> 20} MiB " \
                                              f"(the model is {model_nbytes >> 20} MiB)"
+
+
+@pytest.mark.slow
+def test_checkpoint_memory_benchmark_runs(tmp_path, capsys) -> None:
+    """benchmarks/checkpoint_memory.py at a tiny size: every phase measured on every rank, the table printed."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import checkpoint_memory
+    out = tmp_path / "memory.json"
+    assert checkpoint_memory.main(["--layers", "2", "--width", "256", "--max-shard-size", "100KB",
+                                   "--json", str(out)]) == 0
+    ranks = json.loads(out.read_text())["ranks"]
+    phases = ("build", "train", "save_checkpoint", "load_checkpoint", "save_16bit_model", "to_fp32")
+    assert [r["rank"] for r in ranks] == [0, 1] and all(tuple(r["phases"]) == phases for r in ranks), ranks
+    assert ranks[0]["disk_mib"]["fp32"] > 2 * 256 * 256 * 4 / 2**20 * 0.99, ranks[0]["disk_mib"]  # the fp32 model
+    assert "save_checkpoint: peak" in capsys.readouterr().out
