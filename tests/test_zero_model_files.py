@@ -123,6 +123,41 @@ def test_transformers_loads_the_shards_with_the_training_logits(tmp_path) -> Non
     assert shards["fp32"] > 2 and shards["z16"] > 2, shards  # the 60 KB limit splits the ~0.5 MB model
 
 
+def frozen_and_failure_worker(rank: int, world_size: int, root: str) -> dict:
+    """save_16bit_model leaves out frozen parameters when asked, and a write that
+    fails on rank 0 is the same error on every rank (no rank waits in a gather)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    model[1].weight.requires_grad_(False)
+    ds = {"train_batch_size": world_size, "train_micro_batch_size_per_gpu": 1,
+          "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+          "zero_optimization": {"stage": 3, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 0}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, *_ = zero.initialize(model=model, config=ds)
+    engine.save_16bit_model(os.path.join(root, "all"))
+    engine.save_16bit_model(os.path.join(root, "trainable"), exclude_frozen_parameters=True)
+    blocked = os.path.join(root, "a-file")
+    if rank == 0:
+        with open(blocked, "w") as f:
+            f.write("not a folder")
+    dist.barrier()
+    with pytest.raises(Exception, match="rank 0") as caught:  # rank 0 cannot make its folder
+        engine.save_16bit_model(blocked, max_shard_size=1000)
+    keys = {}
+    if rank == 0:
+        for name in ("all", "trainable"):
+            keys[name] = sorted(torch.load(os.path.join(root, name, "pytorch_model.bin"), weights_only=True))
+    return {"keys": keys, "error": str(caught.value)}
+
+
+def test_16bit_model_without_frozen_parameters_and_a_failed_write(tmp_path) -> None:
+    results = run_ranks(frozen_and_failure_worker, 2, str(tmp_path), timeout=120)
+    assert results[0]["keys"] == {"all": ["0.bias", "0.weight", "1.bias", "1.weight"],
+                                  "trainable": ["0.bias", "0.weight", "1.bias"]}, results[0]["keys"]
+    assert results[0]["error"] == results[1]["error"], results
+
+
 # ---- no rank holds the model -------------------------------------------------------------------
 LAYERS, WIDTH = 16, 1024  # 16M parameters: 64 MiB of fp32 masters
 

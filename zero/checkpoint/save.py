@@ -129,9 +129,10 @@ def layout(parts: CheckpointParts) -> tuple[ModelLayout, dict[str, int | None]]:
     return module_layout(parts.module, parts.trainable, [shapes[name] for name in parts.param_names], parts.dtype)
 
 
-def module_tensor(parts: CheckpointParts, name: str) -> torch.Tensor:
-    """A buffer or frozen parameter of the module, as its state_dict holds it."""
-    return parts.module.state_dict(keep_vars=True)[name].detach()
+def module_tensors(parts: CheckpointParts) -> Callable[[str], torch.Tensor]:
+    """name -> a buffer or frozen parameter of the module, as its state_dict holds it."""
+    tensors = parts.module.state_dict(keep_vars=True)
+    return lambda name: tensors[name].detach()
 
 
 @contextlib.contextmanager
@@ -220,11 +221,12 @@ def write_model_states(parts: CheckpointParts, partial: str, manifest: dict, pat
     written one tensor at a time with the trainable parameters read back from
     the shard files every rank just wrote: no rank gathers the model."""
     model, sources = layout(parts)
+    module_tensor = module_tensors(parts)
     saved = SavedShards(partial, parts.world_size, manifest)
 
     def fill(spec: TensorSpec) -> torch.Tensor:
         if sources[spec.name] is None:
-            return module_tensor(parts, spec.name)
+            return module_tensor(spec.name)
         out = torch.empty(spec.numel, dtype=torch.float32)
         saved.read(parts.param_names[sources[spec.name]], "master", out, 0)
         return out.view(spec.shape).to(spec.dtype)
@@ -332,13 +334,14 @@ def save_16bit_model(parts: CheckpointParts, save_dir: str, save_filename: str =
         frozen = {name for name, p in parts.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
         model = ModelLayout([spec for spec in model.specs if spec.name not in frozen], model.aliases)
     plans = plan_files(model, save_filename, fmt, max_shard_size)
+    module_tensor = module_tensors(parts)
     asked = 0
     with parts.whole_masters() as read:
         def fill(spec: TensorSpec) -> torch.Tensor:
             nonlocal asked
             asked += 1
             index = sources[model.aliases.get(spec.name, spec.name)]  # a safetensors copy of a tied name too
-            return module_tensor(parts, spec.name) if index is None else read(index).to(spec.dtype)
+            return module_tensor(spec.name) if index is None else read(index).to(spec.dtype)
 
         failed: tuple[str | None, BaseException | None] = (None, None)
         if parts.rank == 0:
