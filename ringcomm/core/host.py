@@ -1,5 +1,5 @@
 """What this host offers and what its processes are doing: the cores this
-process may run on, and a peer's state by pid (judged in C++, csrc/cpu/process.h,
+process may run on, its memory cgroup's limit and usage, and a peer's state by pid (judged in C++, csrc/cpu/process.h,
 which the shared-memory transport uses too)."""
 from __future__ import annotations
 
@@ -20,3 +20,48 @@ def process_state(pid: int) -> str:
 def usable_cores() -> int:
     """The cores this process may run on (its affinity mask, as taskset or a cgroup sets it)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+CGROUP_ROOT = "/sys/fs/cgroup"
+_NO_LIMIT = 1 << 62  # cgroup v1 says "no limit" with a number near 2**63
+
+
+def memory_cgroup() -> tuple[str, int, int] | None:
+    """(path, limit, usage) in bytes of the memory cgroup this process is
+    charged to, when it or one of its ancestors has a limit (the smallest
+    counts); None when none has one or the cgroup cannot be read. cgroup v1's
+    memory controller (memory.limit_in_bytes, memory.usage_in_bytes) or v2's
+    unified hierarchy (memory.max, memory.current)."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
+    except OSError:
+        return None
+    v1 = [path for _, controllers, path in lines if "memory" in controllers.split(",")]
+    if v1:
+        root, files = os.path.join(CGROUP_ROOT, "memory"), ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        path = v1[0]
+    else:
+        v2 = [path for hierarchy, controllers, path in lines if hierarchy == "0" and not controllers]
+        if not v2:
+            return None
+        root, files, path = CGROUP_ROOT, ("memory.max", "memory.current"), v2[0]
+    folder = os.path.join(root, path.lstrip("/"))
+    try:
+        with open(os.path.join(folder, files[1])) as f:
+            usage = int(f.read())
+    except (OSError, ValueError):
+        return None
+    limit, here = None, folder
+    while True:  # the tightest limit on the way up to the root
+        try:
+            with open(os.path.join(here, files[0])) as f:
+                text = f.read().strip()
+            if text != "max" and int(text) < _NO_LIMIT:
+                limit = int(text) if limit is None else min(limit, int(text))
+        except (OSError, ValueError):
+            pass
+        if os.path.normpath(here) == os.path.normpath(root):
+            break
+        here = os.path.dirname(here)
+    return None if limit is None else (folder, limit, usage)

@@ -20,6 +20,7 @@ from ..sharding.param_group import ParamGroup
 from ..sharding.seam import make_comm, make_partition_comm
 from ..sharding.wire import Topology
 from . import config as config_mod
+from .memory_guard import check_host_memory
 from ..optim import optimizers as optim
 from .engine import EngineParts, ZeroEngine
 from .precision import make_scaler
@@ -148,6 +149,7 @@ def assemble(model: nn.Module, cfg: config_mod.EngineConfig, activation: checkpo
     dtype = DTYPES[cfg.dtype]
     model.to(dtype)
     params = trainable_params(model)
+    check_host_memory(params, cfg)  # collective: before the engine allocates ([Note: memory guard])
     optimizer = make_optimizer(optimizer, model_parameters, params, cfg)
     device = params[0].device if params else torch.device("cpu")
     offloaded = (cfg.zero.offload_optimizer_options.device, cfg.zero.offload_param_options.device) != ("none", "none")
