@@ -31,7 +31,9 @@ def memory_cgroup() -> tuple[str, int, int] | None:
     charged to, when it or one of its ancestors has a limit (the smallest
     counts); None when none has one or the cgroup cannot be read. cgroup v1's
     memory controller (memory.limit_in_bytes, memory.usage_in_bytes) or v2's
-    unified hierarchy (memory.max, memory.current)."""
+    unified hierarchy (memory.max, memory.current). The usage leaves out the
+    page cache the kernel can reclaim at once (inactive file pages), as the
+    working set that container runtimes report does."""
     try:
         with open("/proc/self/cgroup") as f:
             lines = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
@@ -52,6 +54,7 @@ def memory_cgroup() -> tuple[str, int, int] | None:
             usage = int(f.read())
     except (OSError, ValueError):
         return None
+    usage -= _inactive_file_nbytes(folder, "total_inactive_file" if v1 else "inactive_file")
     limit, here = None, folder
     while True:  # the tightest limit on the way up to the root
         try:
@@ -65,3 +68,15 @@ def memory_cgroup() -> tuple[str, int, int] | None:
             break
         here = os.path.dirname(here)
     return None if limit is None else (folder, limit, usage)
+
+
+def _inactive_file_nbytes(folder: str, key: str) -> int:
+    try:
+        with open(os.path.join(folder, "memory.stat")) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
