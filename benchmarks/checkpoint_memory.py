@@ -26,6 +26,7 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from launch import launch  # noqa: E402
+from machine import status_kib, write_json  # noqa: E402
 
 MIB = 2**20
 
@@ -42,14 +43,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dir", default=None, help="where the checkpoint goes (default: a temporary folder)")
     p.add_argument("--json", default="bench-results/checkpoint_memory.json")
     return p.parse_args(argv)
-
-
-def status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def measured(phases: dict, name: str, fn) -> None:
@@ -157,10 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         over = max(r["phases"][name]["peak_mib"] for r in ranks) - train_peak
         print(f"{name}: peak {over:+.0f} MiB against the training peak ({'within' if over <= bucket else 'OVER'} "
               f"one bucket)")
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"params": params, "stage": args.stage, "dtype": args.dtype, "nproc": args.nproc,
-                   "max_shard_size": args.max_shard_size, "ranks": ranks}, f, indent=1)
+    write_json(args.json, {"params": params, "stage": args.stage, "dtype": args.dtype, "nproc": args.nproc,
+                           "max_shard_size": args.max_shard_size, "ranks": ranks})
     return 0
 
 

@@ -1,5 +1,6 @@
 """The CPU a benchmark ran on, and the build of ringcomm's kernels it used, for
-the benchmarks' headers and JSON; and where the JSON goes."""
+the benchmarks' headers and JSON; where the JSON goes; this process's memory
+(status_kib)."""
 from __future__ import annotations
 
 import json
@@ -34,3 +35,12 @@ def cpu_line() -> str:
     march = f"-march={found.march}" if found.march else "the compiler's default"
     return (f"cpu {cpu_model()} ({platform.machine()}); ringcomm kernels: {found.active} "
             f"(built for {march}: {', '.join(found.built)}; this CPU runs {', '.join(found.supported)})")
+
+
+def status_kib(field: str) -> int:
+    """A kB field of /proc/self/status (VmRSS, VmHWM, ...)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")

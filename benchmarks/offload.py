@@ -28,6 +28,7 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from launch import launch  # noqa: E402
+from machine import status_kib  # noqa: E402
 
 CASES = "2:none,2:cpu,2:nvme,3:none,3:cpu,3:nvme"
 
@@ -44,14 +45,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cases", default=CASES, help="stage:offload, comma-separated")
     p.add_argument("--json", default="bench-results/offload.json")
     return p.parse_args(argv)
-
-
-def status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def config(args, stage: int, offload: str, nvme_path: str) -> dict:
