@@ -99,19 +99,13 @@ def load(parts: CheckpointParts, load_dir: str, tag: str | None = None, *, load_
         message, error = f"{type(caught).__name__}: {caught}", caught
     try:
         failures = store_agree(f"load_checkpoint {load_dir}", options.timeout_s, message)
-    except BaseException:
-        if staged is not None:
-            staged.saved.close()
-        raise
-    if failures:
-        if staged is not None:
-            staged.saved.close()
-        raise ValueError(f"load_checkpoint {load_dir} (tag {tag}): nothing was loaded on any rank; "
-                         + "; ".join(f"rank {r}: {m}" for r, m in failures)) from error
-    try:
+        if failures:
+            raise ValueError(f"load_checkpoint {load_dir} (tag {tag}): nothing was loaded on any rank; "
+                             + "; ".join(f"rank {r}: {m}" for r, m in failures)) from error
         apply(parts, staged, load_options)
     finally:
-        staged.saved.close()
+        if staged is not None:  # open until apply has read the saved ranges
+            staged.saved.close()
     return staged.directory, staged.state["client_state"]
 
 
