@@ -21,17 +21,23 @@ import torch.distributed as dist
 from harness import run_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Per mode. Without the fix, 7 of 12 ranks aborted in 6 launches without destroy,
-# and 3 of 3 launches with it; RINGCOMM_EXIT_LAUNCHES=20 makes a soak.
+# Per mode. Without the release at exit (weakref.finalize's atexit off), 8 of 8
+# ranks aborted in 4 launches without destroy; RINGCOMM_EXIT_LAUNCHES=20 makes a soak.
 NUM_LAUNCHES = int(os.environ.get("RINGCOMM_EXIT_LAUNCHES", "1"))
 
 # The gloo worker frees the work's 64 MB tensors one by one: while it frees the
 # first, the main thread drops the others (so freeing them takes the GIL) and
 # goes straight on to exit, the GIL held throughout (switch interval 100 s).
+# Each process runs on one core (its threads inherit the affinity), so the main
+# thread, woken by the worker, runs before the worker finishes freeing: with
+# both on one core, plain gloo aborts in 16 of 16 ranks here; unpinned, the
+# order is the scheduler's (11 of 16 here, 0 of 4 on another machine).
 SCRIPT = """
-import faulthandler, sys, torch, torch.distributed as dist, ringcomm
+import faulthandler, os, sys, torch, torch.distributed as dist, ringcomm
 faulthandler.enable()
 backend, mode = sys.argv[1], sys.argv[2]
+cores = sorted(os.sched_getaffinity(0))
+os.sched_setaffinity(0, {cores[int(os.environ["RANK"]) % len(cores)]})
 dist.init_process_group(backend)
 numel = 64_000_000
 sys.setswitchinterval(100.0)
@@ -91,8 +97,8 @@ def test_exit_after_forwarded_collective(script: str, mode: str) -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.slow
 def test_plain_gloo_reaches_the_race(script: str) -> None:
-    """The reference: on gloo, the same script aborts at exit in most launches
-    (4 of 4 here); if gloo stops aborting, this test no longer proves the
+    """The reference: on gloo, the same script aborts at exit (every rank of 8
+    launches here); if gloo stops aborting, this test no longer proves the
     ringcomm test above reaches the race, and says so."""
     codes = [code for _ in range(2) for code, _ in launch(script, "gloo", "exit")]
     assert any(code != 0 for code in codes), \
