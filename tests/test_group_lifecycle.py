@@ -113,13 +113,16 @@ def test_setup_without_a_peer_fails_within_the_timeout(transport):
     run_ranks(peer_never_arrives, 2, transport)
 
 
-def peer_dies_in_gloo_setup(rank, world_size):
-    """Rank 1 is killed right after it built the gloo group of a torch_dist ringcomm group."""
+def peer_dies_in_gloo_setup(rank, world_size, when):
+    """Rank 1 is killed when it builds the gloo group of a torch_dist ringcomm group:
+    right after building it ("after": rank 0 may still be connecting, and gloo
+    sees only a closed connection), or instead of building it ("before")."""
     if rank == 1:
         real = dist.ProcessGroupGloo
 
         def build_then_die(*args, **kwargs):
-            real(*args, **kwargs)
+            if when == "after":
+                real(*args, **kwargs)
             os.kill(os.getpid(), signal.SIGKILL)
         dist.ProcessGroupGloo = dist.distributed_c10d.ProcessGroupGloo = build_then_die  # this process only
     start = time.monotonic()
@@ -130,5 +133,6 @@ def peer_dies_in_gloo_setup(rank, world_size):
     assert "[1]" in str(info.value), f"the dead rank is not named: {info.value}"
 
 
-def test_peer_killed_during_setup_fails_within_the_timeout():
-    run_ranks(peer_dies_in_gloo_setup, 2, may_die=frozenset({1}))
+@pytest.mark.parametrize("when", ["after", "before"])
+def test_peer_killed_during_setup_fails_within_the_timeout(when):
+    run_ranks(peer_dies_in_gloo_setup, 2, when, may_die=frozenset({1}))

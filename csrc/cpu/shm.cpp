@@ -226,15 +226,7 @@ uint64_t ShmComm::wait_for(int peer, FlagKind kind, uint64_t target, const StepI
     std::ostringstream where;
     where << step.op << ": rank " << rank_ << " at step " << step.step << "/" << step.num_steps << " (round " << target
           << ") waiting for rank " << peer << " to " << what;
-    if (peer_exited(peer)) {
-      auto exited = [this](int rank) {
-        return "rank " + std::to_string(rank) + " (pid " + std::to_string(header(rank)->pid) + ") has exited";
-      };
-      std::string message = where.str() + ": " + exited(peer);
-      for (int other = 0; other < world_size_; ++other)  // the first to die may be another
-        if (other != peer && other != rank_ && peer_exited(other)) message += "; " + exited(other);
-      fail(message);
-    }
+    if (peer_exited(peer)) fail(where.str() + ": " + exited_peers(peer));
     check_peer_left(peer, where.str());
     if (now >= step.deadline) {
       std::ostringstream message;

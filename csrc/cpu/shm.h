@@ -229,6 +229,9 @@ class ShmComm {
   [[noreturn]] void fail_flag(int peer, FlagKind kind, uint64_t value, uint64_t limit, const StepInfo& step);
   [[noreturn]] void fail(const std::string& message);
   bool peer_exited(int peer) const;
+  // "rank P (pid N) has exited", then every other peer that has exited too: the
+  // first to die may be another than the one a rank was reading or waiting for.
+  std::string exited_peers(int peer) const;
   void check_peer_left(int peer, const std::string& where, bool aborted_only = false);
   void check_aborted(const StepInfo& step, uint64_t round);
   bool leave(CommState how);

@@ -79,7 +79,7 @@ void ShmComm::cma_read(const StepInfo& step, int peer, char* dst, const char* sr
   fail(std::string(step.op) + ": rank " + std::to_string(rank_) + " at step " + std::to_string(step.step) + "/" +
        std::to_string(step.num_steps) + ": reading " + std::to_string(nbytes) + " bytes of rank " +
        std::to_string(peer) + "'s buffer (pid " + std::to_string(peer_pids_[peer]) + ") by process_vm_readv failed: " +
-       std::strerror(err) + (err == ESRCH ? " (the rank has exited)" : ""));
+       std::strerror(err) + (err == ESRCH ? " (" + exited_peers(peer) + ")" : ""));
 }
 
 }  // namespace ringcomm

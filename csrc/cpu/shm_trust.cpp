@@ -32,6 +32,16 @@ bool ShmComm::peer_exited(int peer) const {
   return pid_ns_ != 0 && theirs->pid_ns == pid_ns_ && process_state(theirs->pid) == ProcessState::kExited;
 }
 
+std::string ShmComm::exited_peers(int peer) const {
+  auto exited = [this](int rank) {
+    return "rank " + std::to_string(rank) + " (pid " + std::to_string(header(rank)->pid) + ") has exited";
+  };
+  std::string message = exited(peer);
+  for (int other = 0; other < world_size_; ++other)
+    if (other != peer && other != rank_ && peer_exited(other)) message += "; " + exited(other);
+  return message;
+}
+
 void ShmComm::fail_flag(int peer, FlagKind kind, uint64_t value, uint64_t limit, const StepInfo& step) {
   std::ostringstream message;
   message << step.op << ": rank " << rank_ << " at step " << step.step << "/" << step.num_steps << " (round " << seq_

@@ -4,6 +4,7 @@ send/recv (transport/link.py); the ring itself is algorithms/ring.py walking
 plan/schedule.py."""
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -222,7 +223,13 @@ def open_torch_dist(store: dist.Store, rank: int, world_size: int, timeout_s: fl
     the caller owns (and shuts down) the returned process group. `fallback`:
     why this flat ring stands in for a hierarchical transport."""
     rendezvous.check_in(store, "torch_dist/arrived", rank, world_size, timeout_s, SETUP)
-    pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world_size, timedelta(seconds=timeout_s))
+    start = time.monotonic()
+    try:
+        pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world_size, timedelta(seconds=timeout_s))
+    except RuntimeError as err:
+        rendezvous.fail_naming_the_silent(store, "torch_dist/gloo", rank, world_size,
+                                          timeout_s - (time.monotonic() - start), f"{SETUP} (gloo's connections)", err)
+    rendezvous.check_in(store, "torch_dist/gloo", rank, world_size, timeout_s, SETUP, waiting=False)
     try:
         diagnosis_store = dist.PrefixStore("torch_dist/", store)
         transport = (FlatFallback(pg, timeout_s, options, diagnosis_store, fallback) if fallback
