@@ -13,7 +13,7 @@ from torch.distributed.distributed_c10d import AllgatherOptions
 
 from ..comm import collectives
 from ..comm.group import GroupOptions, create_group
-from ..core import compat
+from ..core import attempt, compat
 from ..core.ops import ReduceOp
 from ..observe import profiling
 from . import ops as backend_ops, p2p as backend_p2p
@@ -73,7 +73,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         self._rank, self._world_size = rank, world_size
         self._timeout_s = timeout.total_seconds()
         self._group_name, self._group_desc = "", ""
-        store = dist.PrefixStore(STORE_PREFIX, store)
+        store = dist.PrefixStore(STORE_PREFIX, attempt.scoped(store))  # [Note: attempt-scoped keys]
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, world_size, timeout)
         compat.register_device_backend(self, torch.device("cpu"), self._gloo)
         # Forwarded collectives: a gloo group of their own ([Note: forwarded works at exit]).

@@ -11,6 +11,8 @@ import torch.distributed as dist
 from torch.autograd import profiler as _autograd_profiler
 from torch.utils import _pytree
 
+from . import attempt
+
 
 def profiler_enabled() -> bool:
     """Whether torch.profiler records: one read of torch's flag (~8 ns; the
@@ -31,8 +33,9 @@ def record_function(name: str, inputs: Sequence[torch.Tensor], kwargs: dict) -> 
 
 
 def default_store() -> dist.Store:
-    """The default group's store: new_group's own store is not exposed."""
-    return dist.distributed_c10d._get_default_store()
+    """The default group's store (new_group's own store is not exposed), its
+    keys under this attempt's scope ([Note: attempt-scoped keys] in attempt.py)."""
+    return attempt.scoped(dist.distributed_c10d._get_default_store())
 
 
 def backend_registered(name: str) -> bool:
