@@ -4,10 +4,11 @@ a restarted rank could read keys of the attempt before; with ringcomm's keys
 scoped by attempt, each of 4 attempts (one rank SIGKILLed in each of the first
 3) joins: the default group on the backend (shm), a torch_dist group from
 ringcomm.new_group, and zero's store barrier. Plain gloo fails here in most
-attempts (docs/faults.md)."""
+attempts (README, "Reliability")."""
 from __future__ import annotations
 
 import glob
+import json
 import os
 import socket
 import subprocess
@@ -83,3 +84,20 @@ def test_scope_follows_torchruns_store(monkeypatch: pytest.MonkeyPatch) -> None:
         warnings.simplefilter("always")
         assert attempt.scope() == "" and attempt.scope() == ""
     assert len(caught) == 1 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in str(caught[0].message)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.slow
+def test_restart_soak_resumes_to_the_uninterrupted_state(tmp_path) -> None:
+    """benchmarks/restarts.py, 2 kills: each restart joins, resumes from the newest
+    checkpoint losing at most one step, and the final checkpoint equals an
+    uninterrupted run's, tensor for tensor (the script's exit code says all three)."""
+    out = tmp_path / "restarts.json"
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "restarts.py"), "--cycles", "2",
+                           "--seed", "1", "--out", str(out)], capture_output=True, text=True, timeout=220,
+                          env={**os.environ, "PYTHONPATH": REPO})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    # killed before its step's save, a run redoes that step; killed after it, none
+    want_lost = [1 if row["when"] == "before_save" else 0 for row in report["rows"]]
+    assert report["ok"] and [row["lost"] for row in report["rows"]] == want_lost, report["rows"]
