@@ -5,9 +5,10 @@ built) and GatheredParameters (gather, optionally modify on one rank, re-shard).
 [Note: a partitioned parameter]
     Built under Init, a parameter keeps `ds_shape`, `ds_numel` and `ds_tensor`,
     this rank's chunk of the flattened value: ceil(numel / world_size) elements,
-    the last rank's zero-padded; its `.data` is empty. The engine copies these
-    chunks into its buckets (fill.build_buckets, one parameter gathered
-    at a time) and drops `ds_tensor`. At stage 3 each parameter then carries
+    the last rank's zero-padded (remote_device="nvme": mapped from a file under
+    offload_param.nvme_path, unlinked at once); its `.data` is empty. The engine
+    copies these chunks into its buckets (fill.build_buckets, one parameter
+    gathered at a time) and drops `ds_tensor`. At stage 3 each parameter then carries
     `ds_bucket` = (ParamGroup, ZeroBucket) so that GatheredParameters gathers
     and re-shards through the engine, and a modification reaches its fp32 master.
 
@@ -22,7 +23,9 @@ built) and GatheredParameters (gather, optionally modify on one rank, re-shard).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 from collections.abc import Iterable
 
 import torch
@@ -49,8 +52,37 @@ def _chunk_numel(numel: int, world_size: int) -> int:
     return -(-numel // world_size)
 
 
-def partition(param: nn.Parameter, dtype: torch.dtype | None = None) -> None:
-    """Rank 0's value, cut into chunks; this rank keeps its own (a collective)."""
+class NvmeShards:
+    """remote_device="nvme": each shard is written to a file in `folder` (under
+    the config's offload_param.nvme_path), mapped and unlinked at once. Its pages
+    belong to the page cache, not to the process, until the engine reads the
+    shard; the file's space is freed with the tensor, also when the process dies."""
+
+    def __init__(self, nvme_path: str) -> None:
+        self.folder = os.path.join(nvme_path, "zero_init", f"rank{dist.get_rank()}-pid{os.getpid()}")
+        self._written = 0
+
+    def place(self, shard: torch.Tensor) -> torch.Tensor:
+        if shard.numel() == 0:
+            return shard
+        os.makedirs(self.folder, exist_ok=True)
+        path = os.path.join(self.folder, f"shard{self._written}.swp")
+        self._written += 1
+        with open(path, "wb") as file:
+            shard.view(torch.uint8).numpy().tofile(file)  # any dtype, bf16 included, as its bytes
+        mapped = torch.from_file(path, shared=True, size=shard.numel(), dtype=shard.dtype)
+        os.unlink(path)
+        return mapped
+
+    def close(self) -> None:
+        """Removes the folder (its files are unlinked already)."""
+        with contextlib.suppress(OSError):  # never made, or another Init's files are being written
+            os.rmdir(self.folder)
+
+
+def partition(param: nn.Parameter, dtype: torch.dtype | None = None, nvme: NvmeShards | None = None) -> None:
+    """Rank 0's value, cut into chunks; this rank keeps its own (a collective),
+    in memory or, with `nvme`, in a mapped file."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     value = param.data.detach()
     if dtype is not None:
@@ -60,7 +92,8 @@ def partition(param: nn.Parameter, dtype: torch.dtype | None = None) -> None:
     shard = torch.zeros(chunk, dtype=value.dtype, device=value.device)
     mine = value.reshape(-1)[rank * chunk:(rank + 1) * chunk]
     shard[:mine.numel()].copy_(mine)
-    param.ds_shape, param.ds_numel, param.ds_tensor = value.shape, value.numel(), shard
+    param.ds_shape, param.ds_numel = value.shape, value.numel()
+    param.ds_tensor = nvme.place(shard) if nvme is not None else shard
     param.data = torch.empty(0, dtype=value.dtype, device=value.device)
 
 
@@ -96,6 +129,16 @@ def _config_dtype(config) -> torch.dtype | None:
     return None
 
 
+def _nvme_path(config) -> str:
+    """Where remote_device="nvme" puts the shards: offload_param.nvme_path, as DeepSpeed's Init."""
+    path = (load(config) if config is not None else {}).get("zero_optimization", {}).get(
+        "offload_param", {}).get("nvme_path")
+    if not path:
+        raise ValueError("zero.Init: remote_device='nvme' needs zero_optimization.offload_param.nvme_path in the "
+                         "config (config_dict_or_path=...)")
+    return str(path)
+
+
 def _all_subclasses(cls: type) -> list[type]:
     out, stack = [], [cls]
     while stack:
@@ -117,10 +160,12 @@ class Init:
                  config=None, enabled: bool = True, dtype: torch.dtype | None = None, mpu=None, **kwargs) -> None:
         if data_parallel_group not in (None, dist.group.WORLD) or mpu is not None:
             raise ValueError("zero.Init: only the default process group is supported (data_parallel_group, mpu)")
-        if remote_device not in (None, "none", "cpu"):
-            raise ValueError(f"zero.Init: remote_device {remote_device!r} is not supported")
+        if remote_device not in (None, "none", "cpu", "nvme"):
+            raise ValueError(f"zero.Init: remote_device {remote_device!r} is not one of None, 'cpu', 'nvme'")
         self.enabled = enabled
         self.dtype = dtype if dtype is not None else _config_dtype(config_dict_or_path or config)
+        self._nvme = NvmeShards(_nvme_path(config_dict_or_path or config)) if remote_device == "nvme" and enabled \
+            else None
         self._building: set[int] = set()  # ids of modules inside their outermost __init__
         self._originals: dict[type, object] = {}
         self._had_init_subclass = False
@@ -132,7 +177,9 @@ class Init:
             raise RuntimeError("zero.Init: call zero.init_distributed() before building the model")
         for param in module.parameters():
             if not is_partitioned(param) and not hasattr(param, "ds_bucket"):
-                partition(param, self.dtype)
+                partition(param, self.dtype, self._nvme)
+        if self._nvme is not None:
+            self._nvme.close()
 
     def _wrap(self, cls: type) -> None:
         original = cls.__dict__["__init__"]
