@@ -23,6 +23,7 @@ import json
 import os
 import pickle
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +42,16 @@ def shard_file(directory: str, rank: int, world_size: int) -> str:
     return os.path.join(directory, f"zero_shards_rank{rank}_of{world_size}.safetensors")
 
 
+@dataclass(frozen=True, slots=True)
+class Deferred:
+    """A shard's tensor that is read only when it is written: a state swapped
+    to NVMe, so that a save holds one sub-group of them at a time."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    read: Callable[[], torch.Tensor]
+
+
 @dataclass(slots=True)
 class NamedShard:
     """Elements [offset, offset + numel) of parameter `name` (flattened) and,
@@ -51,7 +62,7 @@ class NamedShard:
     offset: int
     numel: int
     group: int | None
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor | Deferred] = field(default_factory=dict)
 
     @property
     def key(self) -> str:

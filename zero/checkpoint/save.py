@@ -35,7 +35,8 @@ import torch
 
 from .barrier import failure, store_agree
 from .deepspeed_optim import built_by
-from .format import ENGINE_STATE, FORMAT, MANIFEST, MODEL_STATES, NamedShard, SavedShards, manifest_entry, shard_file
+from .format import (ENGINE_STATE, FORMAT, MANIFEST, MODEL_STATES, Deferred, NamedShard, SavedShards,
+                     manifest_entry, shard_file)
 from .model_files import ModelLayout, module_layout, plan_files, write_files
 from .parts import CheckpointOptions, CheckpointParts
 from .tensorfile import SafetensorsReader, TensorSpec, fsync_dir, write_safetensors, write_torch
@@ -43,25 +44,32 @@ from .tensorfile import SafetensorsReader, TensorSpec, fsync_dir, write_safetens
 log = logging.getLogger("zero")
 
 
-def named_shards(parts: CheckpointParts) -> list[NamedShard]:
-    """The named shards this rank saves: its fp32 master slices and their
-    optimizer states (views, not copies). Unsharded masters (stage 0) are
-    saved by rank 0 only."""
+@contextlib.contextmanager
+def named_shards(parts: CheckpointParts) -> Iterator[list[NamedShard]]:
+    """The named shards this rank saves, readable inside: its fp32 master slices
+    and their optimizer states (views, or Deferred reads of swapped ones).
+    Unsharded masters (stage 0) are saved by rank 0 only."""
     if parts.stage == 0 and parts.rank != 0:
-        return []
-    return list(parts.shards.state_dict().values())
+        yield []
+        return
+    with parts.shards.saved_shards() as shards:
+        yield shards
 
 
 def write_shards(path: str, shards: list[NamedShard]) -> None:
+    """One safetensors file; a Deferred tensor is read as its turn comes."""
     specs, tensors = [], {}
     for shard in shards:
         for kind, tensor in shard.tensors.items():
             spec = TensorSpec(f"{shard.key}:{kind}", tuple(tensor.shape), tensor.dtype)
             specs.append(spec)
             tensors[spec.name] = tensor
+
+    def fill(spec: TensorSpec) -> torch.Tensor:
+        tensor = tensors[spec.name]
+        return tensor.read() if isinstance(tensor, Deferred) else tensor
     index = [[s.name, s.offset, s.numel, s.group] for s in shards]
-    write_safetensors(path, specs, lambda spec: tensors[spec.name], {"format": FORMAT, "shards": json.dumps(index)},
-                      checksums=True)
+    write_safetensors(path, specs, fill, {"format": FORMAT, "shards": json.dumps(index)}, checksums=True)
 
 
 # ---- save -------------------------------------------------------------------------------------
@@ -264,8 +272,8 @@ def save(parts: CheckpointParts, save_dir: str, tag: str | None = None, client_s
     path = shard_file(partial, rank, world_size)
 
     def write() -> None:
-        with parts.shards.offloaded_states(), writing("save_checkpoint", path):  # offloaded states as tensors
-            write_shards(path, named_shards(parts))
+        with named_shards(parts) as shards, writing("save_checkpoint", path):
+            write_shards(path, shards)
     failed = attempt(write)
     options.phase("written", rank)
     agree(f"{what}: every rank's shards written", rank, failed, partial=partial, timeout_s=timeout_s)

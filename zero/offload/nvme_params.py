@@ -13,15 +13,18 @@ elements, keep their shards in memory.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from ..checkpoint.format import Deferred, NamedShard
+from ..sharding import state
 from ..sharding.param_group import ZeroBucket, fold_into_master
 from .config import AioOptions, OffloadOptions
 from .host import HostParamGroup
-from .nvme_states import NvmeStates, check_optimizer
+from .nvme_states import STATE_NAMES, NvmeStates, check_optimizer
 from .swap import IOPool, SwapFile, aligned_empty, round_up
 
 
@@ -230,10 +233,32 @@ class NvmeParamGroup(HostParamGroup):
                     self.copy_out(index, 0, bucket.master)
             self.finish_publish()
 
+    def owned_master(self, bucket: ZeroBucket) -> torch.Tensor:
+        """Read from the swap file where the masters are swapped (whole_masters
+        then holds one bucket's master, not every one)."""
+        if self.states is None or self.materialized:
+            return super().owned_master(bucket)
+        return self.states.read_master(bucket.span.index)
+
     @contextlib.contextmanager
-    def whole_masters(self) -> Iterator[Callable[[int], torch.Tensor]]:
-        with self._masters_in_memory(write_back=False), super().whole_masters() as read:
-            yield read
+    def saved_shards(self) -> Iterator[list[NamedShard]]:
+        """Swapped masters and states as Deferred reads: a save holds one
+        sub-group of them at a time."""
+        if self.states is None or self.materialized:
+            with super().saved_shards() as shards:
+                yield shards
+            return
+        member_of = {id(view): (k, j) for k, bucket in enumerate(self.buckets)
+                     for j, (view, _, _) in enumerate(bucket.master_views)}
+        with self.states.reading() as read:
+            shards = []
+            for shard, view in state.master_slices(self):
+                member = member_of[id(view)]
+                for kind in ("master", "step", *STATE_NAMES):  # as materialize() orders them
+                    shard.tensors[kind] = Deferred(() if kind == "step" else (shard.numel,), torch.float32,
+                                                   functools.partial(read, member, kind))
+                shards.append(shard)
+            yield shards
 
     def offloaded_states(self) -> contextlib.AbstractContextManager:
         return self._masters_in_memory(write_back=True)

@@ -18,6 +18,7 @@ memory stays at buffer_count regions whatever the model size.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ from .config import AioOptions, OffloadOptions
 from .swap import IOPool, SwapFile, Transfer, aligned_empty, round_up
 
 STATE_NAMES = ("exp_avg", "exp_avg_sq")
+PARTS = ("master", *STATE_NAMES)  # a sub-group's region, in this order
 Member = tuple[int, int]  # (bucket index, index in bucket.master_views)
 CopyOut = Callable[[int, int, torch.Tensor], None]  # (bucket index, begin in the owned span, fp32 values)
 
@@ -208,6 +210,37 @@ class NvmeStates:
                 fold_into_master(master[lo:hi], values[begin:end])
             self.start_write(index, masters_only=True)
         self.finish_writes()
+
+    # ---- reads, for checkpoints -------------------------------------------------------------
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[Callable[[Member, str], torch.Tensor]]:
+        """Yields read(member, kind): the member's swapped "master", "exp_avg" or
+        "exp_avg_sq" (a view in a buffer, valid until the next read) or its
+        "step". A read loads the member's sub-group unless it was the last one
+        loaded, so reads in member order hold one sub-group at a time."""
+        where = {member: (index, lo, hi) for index in range(len(self.sub_groups))
+                 for member, lo, hi in self.slices(index)}
+        loaded: list[int | None] = [None]
+        self.finish_writes()
+
+        def read(member: Member, kind: str) -> torch.Tensor:
+            if kind == "step":
+                return self.steps.setdefault(member, torch.zeros((), dtype=torch.float32))
+            index, lo, hi = where[member]
+            if loaded[0] != index:
+                self.start_read(index).wait()
+                loaded[0] = index
+            return self.parts(index)[PARTS.index(kind)][lo:hi]
+        yield read
+
+    def read_master(self, k: int) -> torch.Tensor:
+        """Bucket `k`'s fp32 master (its owned span), read from the sub-groups holding it."""
+        bucket = self.buckets[k]
+        master = torch.zeros(bucket.owned.numel, dtype=torch.float32)
+        with self.reading() as read:
+            for j, (_, begin, end) in enumerate(bucket.master_views):
+                master[begin:end].copy_(read((k, j), "master"))
+        return master
 
     # ---- ordinary tensors, for checkpoints -------------------------------------------------
     def materialize(self, optimizer: torch.optim.Optimizer) -> None:

@@ -218,6 +218,13 @@ class ParamGroup:
         """Every fp32 master slice this rank holds, named, with its optimizer states (state.py)."""
         return state.state_dict(self)
 
+    @contextlib.contextmanager
+    def saved_shards(self) -> Iterator[list[NamedShard]]:
+        """What a checkpoint saves of this rank: state_dict()'s shards, readable
+        inside (offloaded states as tensors)."""
+        with self.offloaded_states():
+            yield list(self.state_dict().values())
+
     def load_state_dict(self, saved: dict[str, dict[str, torch.Tensor]], *, optimizer_states: bool = True) -> None:
         self.release_kept()  # the values change under them
         state.load_state_dict(self, saved, optimizer_states=optimizer_states)
@@ -349,10 +356,11 @@ class ParamGroup:
             bucket, span, shape = where[index]
             if current[0] is not bucket:
                 current[:] = [None, None]  # the previous bucket's buffer goes before the next one comes
-                whole = bucket.master
+                whole = owned = self.owned_master(bucket)
                 if self.policy.shard_optimizer:
-                    whole = torch.empty(bucket.span.numel, dtype=torch.float32, device=bucket.master.device)
-                    self.comm.all_gather(whole, bucket.master.contiguous()).wait()
+                    whole = torch.empty(bucket.span.numel, dtype=torch.float32, device=owned.device)
+                    self.comm.all_gather(whole, owned.contiguous()).wait()
+                del owned
                 current[:] = [bucket, whole]
             return current[1][span.begin:span.end].view(shape)
 
@@ -363,6 +371,11 @@ class ParamGroup:
             current.clear()
             self.comm.take_wire()
             self.comm.restore_wire(counts)
+
+
+    def owned_master(self, bucket: ZeroBucket) -> torch.Tensor:
+        """This rank's fp32 master of `bucket`'s owned span, for whole_masters."""
+        return bucket.master
 
 
 def fold_into_master(master: torch.Tensor, values: torch.Tensor) -> None:
