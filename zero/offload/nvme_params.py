@@ -24,7 +24,7 @@ from ..sharding import state
 from ..sharding.param_group import ZeroBucket, fold_into_master
 from .config import AioOptions, OffloadOptions
 from .host import HostParamGroup
-from .nvme_states import STATE_NAMES, NvmeStates, check_optimizer
+from .nvme_states import STATE_NAMES, Member, NvmeStates, check_optimizer
 from .swap import IOPool, SwapFile, aligned_empty, round_up
 
 
@@ -248,17 +248,32 @@ class NvmeParamGroup(HostParamGroup):
             with super().saved_shards() as shards:
                 yield shards
             return
-        member_of = {id(view): (k, j) for k, bucket in enumerate(self.buckets)
-                     for j, (view, _, _) in enumerate(bucket.master_views)}
         with self.states.reading() as read:
             shards = []
-            for shard, view in state.master_slices(self):
-                member = member_of[id(view)]
+            for shard, member in self._named_members():
                 for kind in ("master", "step", *STATE_NAMES):  # as materialize() orders them
                     shard.tensors[kind] = Deferred(() if kind == "step" else (shard.numel,), torch.float32,
                                                    functools.partial(read, member, kind))
                 shards.append(shard)
             yield shards
+
+    def load_state_dict(self, saved: dict[str, dict[str, object]], *, optimizer_states: bool = True) -> None:
+        """As ParamGroup's (state.py's load_state_dict), one swapped sub-group at a time."""
+        if self.states is None or self.materialized:
+            super().load_state_dict(saved, optimizer_states=optimizer_states)
+            return
+        self.release_kept()
+        by_member = {member: saved[shard.key] for shard, member in self._named_members() if shard.key in saved}
+        with torch.no_grad():
+            self.states.load(by_member, optimizer_states=optimizer_states, copy_out=self.copy_out)
+        self.finish_publish()
+        self.zero_grads()
+
+    def _named_members(self) -> list[tuple[NamedShard, Member]]:
+        """state.master_slices' shards, each with its member in the swapped sub-groups."""
+        member_of = {id(view): (k, j) for k, bucket in enumerate(self.buckets)
+                     for j, (view, _, _) in enumerate(bucket.master_views)}
+        return [(shard, member_of[id(view)]) for shard, view in state.master_slices(self)]
 
     def offloaded_states(self) -> contextlib.AbstractContextManager:
         return self._masters_in_memory(write_back=True)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..optim import host_adam
+from ..sharding import state
 from ..sharding.param_group import ZeroBucket, fold_into_master
 from .config import AioOptions, OffloadOptions
 from .swap import IOPool, SwapFile, Transfer, aligned_empty, round_up
@@ -241,6 +242,30 @@ class NvmeStates:
             for j, (_, begin, end) in enumerate(bucket.master_views):
                 master[begin:end].copy_(read((k, j), "master"))
         return master
+
+    def load(self, saved: dict[Member, dict[str, object]], *, optimizer_states: bool, copy_out: CopyOut) -> None:
+        """A checkpoint's values, sub-group by sub-group: each member's saved
+        master (a member without one keeps its own) and, with `optimizer_states`,
+        its moments and step (what was not saved starts from zero, as the
+        optimizer's load_state_dict drops states it is not given); the masters
+        go out to the parameters (copy_out) and the sub-group back to the file.
+        A saved value is a tensor or a saved range (checkpoint/load.py)."""
+        for index in range(len(self.sub_groups)):
+            self.start_read(index).wait()
+            parts = self.parts(index)
+            for member, lo, hi in self.slices(index):
+                values = saved.get(member, {})
+                if "master" in values:
+                    state.fill(parts[0][lo:hi], values["master"])
+                if optimizer_states:
+                    for part, name in zip(parts[1:], STATE_NAMES):
+                        state.fill(part[lo:hi], values[name]) if name in values else part[lo:hi].zero_()
+                    step = torch.zeros((), dtype=torch.float32)
+                    self.steps[member] = state.fill(step, values["step"]) if "step" in values else step
+                k, j = member
+                copy_out(k, self.buckets[k].master_views[j][1], parts[0][lo:hi])
+            self.start_write(index)
+        self.finish_writes()
 
     # ---- ordinary tensors, for checkpoints -------------------------------------------------
     def materialize(self, optimizer: torch.optim.Optimizer) -> None:

@@ -1,9 +1,10 @@
-"""Saves of a run whose masters and Adam moments are swapped to NVMe read them
-one sub-group at a time: save_checkpoint's and save_16bit_model's peak resident
-memory (VmHWM, reset through /proc/self/clear_refs) rises by a fraction of the
-rank's swapped states, where reading them all into memory (as saves did)
-raises it by all of them. That the files hold the right values is
-test_zero_offload.py's (checkpoints across offload settings)."""
+"""Checkpoints of a run whose masters and Adam moments are swapped to NVMe
+read and write them one sub-group at a time: save_checkpoint's,
+save_16bit_model's and load_checkpoint's peak resident memory (VmHWM, reset
+through /proc/self/clear_refs) rises by a fraction of the rank's swapped
+states, where holding them all in memory (as they did) raises it by all of
+them. That the values are right is test_zero_offload.py's (checkpoints across
+offload settings)."""
 from __future__ import annotations
 
 import ctypes
@@ -56,14 +57,15 @@ def save_worker(rank: int, world_size: int, root: str) -> dict:
         engine.step()
     states_kib = 12 * WIDTH * WIDTH * LAYERS // world_size // 1024  # fp32 master, exp_avg, exp_avg_sq
     rises = {"save_checkpoint": peak_rise_kib(lambda: engine.save_checkpoint(os.path.join(root, "ckpt"))),
-             "save_16bit_model": peak_rise_kib(lambda: engine.save_16bit_model(os.path.join(root, "z16")))}
+             "save_16bit_model": peak_rise_kib(lambda: engine.save_16bit_model(os.path.join(root, "z16"))),
+             "load_checkpoint": peak_rise_kib(lambda: engine.load_checkpoint(os.path.join(root, "ckpt")))}
     engine.destroy()
     return {"states_kib": states_kib, **rises}
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's VmHWM reset")
-def test_nvme_saves_read_one_sub_group_at_a_time() -> None:
+def test_nvme_checkpoints_hold_one_sub_group_at_a_time() -> None:
     with tempfile.TemporaryDirectory(prefix="zero-nvme-save-") as root:
         results = run_ranks(save_worker, 2, root, timeout=160)
     for rank, result in enumerate(results):
@@ -71,6 +73,6 @@ def test_nvme_saves_read_one_sub_group_at_a_time() -> None:
         states = result["states_kib"]
         # save_16bit_model gathers one bucket's fp32 master and writes 16-bit tensors: a bucket here is one
         # layer (4 MiB fp32 whole), a twelfth of the rank's states; a quarter leaves room for the allocator
-        for phase in ("save_checkpoint", "save_16bit_model"):
+        for phase in ("save_checkpoint", "save_16bit_model", "load_checkpoint"):
             assert result[phase] < 0.25 * states, \
                 f"rank {rank}: {phase} raised peak memory by {result[phase]} KiB; the rank's states are {states} KiB"
