@@ -31,8 +31,6 @@ class ShardedStates(Protocol):
 
     def load_state_dict(self, saved: dict[str, dict[str, torch.Tensor]], *, optimizer_states: bool = True) -> None: ...
 
-    def offloaded_states(self) -> contextlib.AbstractContextManager: ...
-
 
 @dataclass(frozen=True, slots=True)
 class CheckpointParts:
