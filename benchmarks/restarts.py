@@ -25,6 +25,7 @@ import glob
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -120,7 +121,7 @@ def worker(args: argparse.Namespace) -> None:
                 die(folder, attempt, rank, step)
             engine.save_checkpoint(ckpt, tag=f"step{step}")
             if rank == 0 and step >= 3:  # the newest two stay: a kill mid-save leaves the one before
-                subprocess.run(["rm", "-rf", os.path.join(ckpt, f"step{step - 2}")], check=True)
+                shutil.rmtree(os.path.join(ckpt, f"step{step - 2}"))
             if dies:
                 die(folder, attempt, rank, step)
     except RuntimeError as err:  # a survivor: its collective names the dead rank

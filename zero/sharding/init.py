@@ -5,8 +5,8 @@ built) and GatheredParameters (gather, optionally modify on one rank, re-shard).
 [Note: a partitioned parameter]
     Built under Init, a parameter keeps `ds_shape`, `ds_numel` and `ds_tensor`,
     this rank's chunk of the flattened value: ceil(numel / world_size) elements,
-    the last rank's zero-padded (remote_device="nvme": mapped from a file under
-    offload_param.nvme_path, unlinked at once); its `.data` is empty. The engine
+    the last rank's zero-padded (remote_device="nvme": on the host, mapped from a
+    file under offload_param.nvme_path, unlinked at once); its `.data` is empty. The engine
     copies these chunks into its buckets (fill.build_buckets, one parameter
     gathered at a time) and drops `ds_tensor`. At stage 3 each parameter then carries
     `ds_bucket` = (ParamGroup, ZeroBucket) so that GatheredParameters gathers
@@ -59,7 +59,7 @@ class NvmeShards:
     shard; the file's space is freed with the tensor, also when the process dies."""
 
     def __init__(self, nvme_path: str) -> None:
-        self.folder = os.path.join(nvme_path, "zero_init", f"rank{dist.get_rank()}-pid{os.getpid()}")
+        self.folder = os.path.join(nvme_path, "zero_init", f"pid{os.getpid()}")
         self._written = 0
 
     def place(self, shard: torch.Tensor) -> torch.Tensor:
@@ -69,7 +69,7 @@ class NvmeShards:
         path = os.path.join(self.folder, f"shard{self._written}.swp")
         self._written += 1
         with open(path, "wb") as file:
-            shard.view(torch.uint8).numpy().tofile(file)  # any dtype, bf16 included, as its bytes
+            shard.cpu().view(torch.uint8).numpy().tofile(file)  # any dtype, bf16 included, as its bytes
         mapped = torch.from_file(path, shared=True, size=shard.numel(), dtype=shard.dtype)
         os.unlink(path)
         return mapped

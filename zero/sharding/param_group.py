@@ -360,7 +360,7 @@ class ParamGroup:
                 if self.policy.shard_optimizer:
                     whole = torch.empty(bucket.span.numel, dtype=torch.float32, device=owned.device)
                     self.comm.all_gather(whole, owned.contiguous()).wait()
-                del owned
+                del owned  # where it was read for this (NVMe), it goes once gathered
                 current[:] = [bucket, whole]
             return current[1][span.begin:span.end].view(shape)
 
@@ -371,7 +371,6 @@ class ParamGroup:
             current.clear()
             self.comm.take_wire()
             self.comm.restore_wire(counts)
-
 
     def owned_master(self, bucket: ZeroBucket) -> torch.Tensor:
         """This rank's fp32 master of `bucket`'s owned span, for whole_masters."""
