@@ -172,10 +172,19 @@ def run(args: argparse.Namespace, plan: dict, folder: str) -> tuple[int, str, li
 
 
 def final_state(folder: str, steps: int) -> dict:
-    """Every tensor of the final checkpoint's files, by file and key path."""
+    """Every tensor of the final checkpoint's files, by file and key path: the
+    ranks' shard files (fp32 masters, Adam's moments and steps) and the .pt
+    files (model states, engine state)."""
     import torch
 
+    from zero.checkpoint.tensorfile import SafetensorsReader
+
     tensors = {}
+    for path in sorted(glob.glob(os.path.join(folder, "ckpt", f"step{steps}", "*.safetensors"))):
+        with SafetensorsReader(path) as reader:
+            for name, spec in reader.specs.items():
+                tensors[f"{os.path.basename(path)}/{name}"] = reader.read(name, torch.empty(spec.shape,
+                                                                                             dtype=spec.dtype))
 
     def walk(prefix: str, value: object) -> None:
         if isinstance(value, torch.Tensor):
@@ -260,14 +269,14 @@ def main(argv: list[str] | None = None) -> int:
         rows = cycles_table(kills, events)
         print_rows(rows)
         ref_code, ref_tail, _ = run(args, {**plan, "kills": []}, reference)
-        diff = (differences(final_state(soaked, plan["steps"]), final_state(reference, plan["steps"]))
-                if code == 0 and ref_code == 0 else ["a run failed"])
+        ours, theirs = (final_state(folder, plan["steps"]) for folder in (soaked, reference))
+        diff = differences(ours, theirs) if code == 0 and ref_code == 0 and ours else ["a run failed"]
     joined = sum(row["joined"] for row in rows)
     lost = [row.get("lost") for row in rows]
     ok = code == 0 and joined == args.cycles and all(x is not None and x <= 1 for x in lost) and not diff
     print(f"torchrun exited {code} after {seconds:.0f} s; {joined} of {args.cycles} restarts joined and resumed; "
           f"steps lost per failure: {lost}; final state vs the uninterrupted run: "
-          f"{'equal' if not diff else f'DIFFERS in {diff[:5]}'}")
+          f"{f'equal ({len(ours)} tensors)' if not diff else f'DIFFERS in {diff[:5]}'}")
     if code != 0:
         print(tail)
     if ref_code != 0:

@@ -3,8 +3,9 @@ read and write them one sub-group at a time: save_checkpoint's,
 save_16bit_model's and load_checkpoint's peak resident memory (VmHWM, reset
 through /proc/self/clear_refs) rises by a fraction of the rank's swapped
 states, where holding them all in memory (as they did) raises it by all of
-them. That the values are right is test_zero_offload.py's (checkpoints across
-offload settings)."""
+them. The 16-bit model agrees with the consolidated shard files; that the
+values are right is test_zero_offload.py's (checkpoints across offload
+settings) and test_zero_offload_matrix.py's."""
 from __future__ import annotations
 
 import ctypes
@@ -19,6 +20,7 @@ from torch import nn
 from harness import run_ranks
 
 import zero
+from zero.checkpoint import to_fp32
 
 WIDTH, LAYERS = 1024, 6
 
@@ -37,29 +39,48 @@ def peak_rise_kib(fn) -> int:
     return status_kib("VmHWM") - before
 
 
-def save_worker(rank: int, world_size: int, root: str) -> dict:
-    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD: freed blocks go back at once
+def nvme_engine(rank: int, world_size: int, root: str, width: int, layers: int, **zero_options):
+    """Stage 3, bf16, optimizer and parameters on NVMe; trained two steps."""
     nvme = os.path.join(root, f"nvme{rank}")
-    os.makedirs(nvme)
+    os.makedirs(nvme, exist_ok=True)
     offload = {"device": "nvme", "nvme_path": nvme, "buffer_count": 2, "pipeline_read": True, "pipeline_write": True}
     config = {"train_batch_size": 2 * world_size, "train_micro_batch_size_per_gpu": 2,
               "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "bf16": {"enabled": True},
-              "zero_optimization": {"stage": 3, "sub_group_size": 1 << 18, "offload_optimizer": offload,
-                                    "offload_param": {**offload, "buffer_count": 4}}}
+              "zero_optimization": {"stage": 3, "offload_optimizer": offload,
+                                    "offload_param": {**offload, "buffer_count": 4}, **zero_options}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with zero.Init(config_dict_or_path=config):
-            model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
+            model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)])
         engine, *_ = zero.initialize(model=model, config=config)
     for step in range(2):
-        x = torch.randn(2, WIDTH, generator=torch.Generator().manual_seed(step * world_size + rank))
+        x = torch.randn(2, width, generator=torch.Generator().manual_seed(step * world_size + rank))
         engine.backward(engine(x.bfloat16()).float().square().mean())
         engine.step()
+    return engine
+
+
+def save_worker(rank: int, world_size: int, root: str) -> dict:
+    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD: freed blocks go back at once
+    engine = nvme_engine(rank, world_size, root, WIDTH, LAYERS, sub_group_size=1 << 18)
     states_kib = 12 * WIDTH * WIDTH * LAYERS // world_size // 1024  # fp32 master, exp_avg, exp_avg_sq
     rises = {"save_checkpoint": peak_rise_kib(lambda: engine.save_checkpoint(os.path.join(root, "ckpt"))),
              "save_16bit_model": peak_rise_kib(lambda: engine.save_16bit_model(os.path.join(root, "z16"))),
              "load_checkpoint": peak_rise_kib(lambda: engine.load_checkpoint(os.path.join(root, "ckpt")))}
     engine.destroy()
+
+    # Two read paths agree: the 16-bit model (one bucket's master pages at a time, from the middle of the one
+    # sub-group of DeepSpeed's default sub_group_size) and the shard files (whole sub-groups), consolidated.
+    engine = nvme_engine(rank, world_size, root, 512, 3)
+    engine.save_checkpoint(os.path.join(root, "small"))
+    engine.save_16bit_model(os.path.join(root, "small16"))
+    engine.destroy()
+    if rank == 0:
+        bit16 = torch.load(os.path.join(root, "small16", "pytorch_model.bin"))
+        fp32 = torch.load(to_fp32.convert(os.path.join(root, "small"), os.path.join(root, "small32.bin")))
+        assert bit16.keys() == fp32.keys() and len(fp32) == 3, (bit16.keys(), fp32.keys())
+        for key, master in fp32.items():
+            assert torch.equal(bit16[key], master.to(torch.bfloat16)), f"{key}: the 16-bit model differs"
     return {"states_kib": states_kib, **rises}
 
 

@@ -28,7 +28,7 @@ from ..optim import host_adam
 from ..sharding import state
 from ..sharding.param_group import ZeroBucket, fold_into_master
 from .config import AioOptions, OffloadOptions
-from .swap import IOPool, SwapFile, Transfer, aligned_empty, round_up
+from .swap import ALIGN, IOPool, SwapFile, Transfer, aligned_empty, round_up
 
 STATE_NAMES = ("exp_avg", "exp_avg_sq")
 PARTS = ("master", *STATE_NAMES)  # a sub-group's region, in this order
@@ -235,12 +235,23 @@ class NvmeStates:
         yield read
 
     def read_master(self, k: int) -> torch.Tensor:
-        """Bucket `k`'s fp32 master (its owned span), read from the sub-groups holding it."""
+        """Bucket `k`'s fp32 master (its owned span): from each sub-group holding
+        a piece of it, only the pages of those masters are read (a sub-group may
+        hold every bucket: sub_group_size defaults to 1e9 elements), into its buffer."""
         bucket = self.buckets[k]
         master = torch.zeros(bucket.owned.numel, dtype=torch.float32)
-        with self.reading() as read:
-            for j, (_, begin, end) in enumerate(bucket.master_views):
-                master[begin:end].copy_(read((k, j), "master"))
+        self.finish_writes()
+        for index, sub in enumerate(self.sub_groups):
+            mine = [(j, lo, hi) for (b, j), lo, hi in self.slices(index) if b == k]  # in order: lo grows
+            if not mine:
+                continue
+            first = mine[0][1] * 4 // ALIGN * ALIGN  # bytes into the master part, page-aligned for direct I/O
+            pages = self._buffer(index)[first:round_up(mine[-1][2] * 4)]  # where the sub-group's master goes
+            self.io.read(self.file, sub.offset + first, pages).wait()
+            values, skip = pages.view(torch.float32), first // 4
+            for j, lo, hi in mine:
+                _, begin, end = bucket.master_views[j]
+                master[begin:end].copy_(values[lo - skip:hi - skip])
         return master
 
     def load(self, saved: dict[Member, dict[str, object]], *, optimizer_states: bool, copy_out: CopyOut) -> None:
