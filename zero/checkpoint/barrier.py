@@ -2,7 +2,7 @@
 store counts the ranks in, and a rank that waited too long names the ranks
 that did not arrive (checkpoint save and load wait on it). store_agree is the
 same barrier carrying each rank's error, so that every rank learns whether
-all of them succeeded, and failure() is the error every rank then raises
+all of them succeeded (store_gather: any value), and failure() is the error every rank then raises
 (checkpoint save, and the logging set-up at zero.initialize).
 
 [Note: store barrier]
@@ -37,15 +37,22 @@ def store_barrier(what: str, timeout_s: float) -> None:
 def store_agree(what: str, timeout_s: float, error: str | None) -> list[tuple[int, str]]:
     """store_barrier where each rank brings its error (None: it succeeded);
     returns every rank's error, by rank, the same list on every rank
-    ([] when all succeeded). A rank's error is in the store before it counts
-    itself in, so whoever sees the barrier done sees every error."""
+    ([] when all succeeded)."""
+    values = store_gather(what, timeout_s, "ok" if error is None else "!" + error)
+    return [(r, message[1:]) for r, message in enumerate(values) if message.startswith("!")]
+
+
+def store_gather(what: str, timeout_s: float, value: str) -> list[str]:
+    """store_barrier where each rank brings a value: returns every rank's, by
+    rank, the same list on every rank. A rank's value is in the store before it
+    counts itself in, so whoever sees the barrier done sees every value."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [] if error is None else [(dist.get_rank() if dist.is_initialized() else 0, error)]
+        return [value]
     rank, world_size = dist.get_rank(), dist.get_world_size()
     store = compat.default_store()
     number = store.add(f"{PREFIX}/count/rank{rank}", 1)
     key = f"{PREFIX}/{number}"
-    store.set(f"{key}/error{rank}", "ok" if error is None else "!" + error)
+    store.set(f"{key}/error{rank}", value)
     store.set(f"{key}/rank{rank}", what)
     if store.add(f"{key}/arrived", 1) == world_size:
         store.set(f"{key}/done", "1")
@@ -55,8 +62,7 @@ def store_agree(what: str, timeout_s: float, error: str | None) -> list[tuple[in
         missing = [r for r in range(world_size) if not store.check([f"{key}/rank{r}"])]
         raise RuntimeError(f"{what}: rank {rank} waited {timeout_s} s at barrier {number}: rank(s) {missing} of "
                            f"{world_size} did not arrive (failed, hung or gone)") from None
-    errors = [(r, store.get(f"{key}/error{r}").decode()) for r in range(world_size)]
-    return [(r, message[1:]) for r, message in errors if message.startswith("!")]
+    return [store.get(f"{key}/error{r}").decode() for r in range(world_size)]
 
 
 def failure(what: str, failures: list[tuple[int, str]]) -> Exception:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .tensorfile import CHUNK_NBYTES, SafetensorsReader
+from .tensorfile import CHUNK_NBYTES, SafetensorsReader, crc32
 
 FORMAT = "zero-named-shards/2"
 ENGINE_STATE = "engine_state.pt"
@@ -87,7 +87,7 @@ def file_crc32(path: str) -> int:
     crc = 0
     with open(path, "rb") as f:
         while chunk := f.read(CHUNK_NBYTES):
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
     return crc
 
 

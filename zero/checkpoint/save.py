@@ -56,8 +56,9 @@ def named_shards(parts: CheckpointParts) -> Iterator[list[NamedShard]]:
         yield shards
 
 
-def write_shards(path: str, shards: list[NamedShard]) -> None:
-    """One safetensors file; a Deferred tensor is read as its turn comes."""
+def shard_specs(shards: list[NamedShard]) -> tuple[list[TensorSpec], Callable[[TensorSpec], torch.Tensor], dict]:
+    """A shard file's tensors: their specs, the fill that hands each over (a
+    Deferred tensor is read as its turn comes) and the file's metadata (the index)."""
     specs, tensors = [], {}
     for shard in shards:
         for kind, tensor in shard.tensors.items():
@@ -69,7 +70,13 @@ def write_shards(path: str, shards: list[NamedShard]) -> None:
         tensor = tensors[spec.name]
         return tensor.read() if isinstance(tensor, Deferred) else tensor
     index = [[s.name, s.offset, s.numel, s.group] for s in shards]
-    write_safetensors(path, specs, fill, {"format": FORMAT, "shards": json.dumps(index)}, checksums=True)
+    return specs, fill, {"format": FORMAT, "shards": json.dumps(index)}
+
+
+def write_shards(path: str, shards: list[NamedShard]) -> None:
+    """One safetensors file, a crc32 per tensor."""
+    specs, fill, metadata = shard_specs(shards)
+    write_safetensors(path, specs, fill, metadata, checksums=True)
 
 
 # ---- save -------------------------------------------------------------------------------------
