@@ -158,6 +158,16 @@ def comm_buffers(num_params: float, stage: int, param_bytes: int, *, reduce_buck
     return Buffers(gradient, gathered)
 
 
+def snapshot_nbytes(num_params: float, world_size: int, stage: int, *, replicas: int = 1, slots: int = 2) -> float:
+    """Shared memory per rank that the in-memory snapshots hold
+    (zero/checkpoint/snapshot.py): `slots` steps of the rank's piece and of
+    the `replicas` buddy copies it keeps. A piece is the fp32 masters and
+    Adam's two moments the rank owns, 12 bytes per parameter (at stage 0 rank
+    0 owns them all: the figure is then its and its buddy's)."""
+    owned = num_params if stage == 0 else num_params / world_size
+    return 12.0 * owned * slots * (1 + replicas)
+
+
 # ---- the out-of-memory ladder -----------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Plan:

@@ -8,6 +8,7 @@ from torch import nn
 from ringcomm import BufferLayout, host_name, plan_buckets, plan_module_buckets
 
 from ..activation import checkpointing
+from ..checkpoint.snapshot import Snapshots
 from ..monitor.setup import open_step_log
 from ..monitor.step_log import StepLog
 from ..offload.host import HostParamGroup
@@ -175,4 +176,9 @@ def assemble(model: nn.Module, cfg: config_mod.EngineConfig, activation: checkpo
     scheduler = make_scheduler(lr_scheduler, optimizer, cfg)
     scaler = make_scaler(dtype, cfg.scaler)
     return ZeroEngine(EngineParts(model, optimizer, scheduler, cfg, group, gatherer, scaler, comm, dtype,
-                                  param_names, params, activation, step_log))
+                                  param_names, params, activation, step_log, make_snapshots(cfg, rank, world_size)))
+
+
+def make_snapshots(cfg: config_mod.EngineConfig, rank: int, world_size: int) -> Snapshots | None:
+    """The in-memory snapshots (collective: their group and placement), when the config asks for them."""
+    return Snapshots(cfg.snapshots, rank, world_size) if cfg.snapshots.enabled else None

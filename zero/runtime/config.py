@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 
 from ..activation import config as activation_config
+from ..checkpoint import snapshot_config
 from ..monitor.config import MonitoringConfig
 from ..monitor.config import parse as parse_monitoring
 from ..offload.config import AioOptions, OffloadOptions, parse_aio, parse_offload
@@ -21,7 +22,7 @@ __all__ = ["AUTO", "AioOptions", "EngineConfig", "ModelFacts", "OffloadOptions",
 TOP_KEYS = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
     "fp16", "bf16", "optimizer", "scheduler", "zero_allow_untested_optimizer", "zero_optimization",
-    "activation_checkpointing", "comm_backend",
+    "activation_checkpointing", "comm_backend", "checkpoint",
     "comms_logger", "steps_per_print", "wall_clock_breakdown", "tensorboard", "wandb", "csv_monitor",  # ..monitor
     # accepted with no effect here (knobs of DeepSpeed's own runtime): see no_effect.py
     "prescale_gradients", "gradient_predivide_factor",
@@ -90,6 +91,7 @@ class EngineConfig:
     comm_backend: str | None = None  # "ringcomm" | "torch"
     aio: AioOptions = field(default_factory=AioOptions)
     monitoring: MonitoringConfig = field(default_factory=MonitoringConfig)  # zero/monitor
+    snapshots: snapshot_config.SnapshotOptions = field(default_factory=snapshot_config.SnapshotOptions)
 
 
 
@@ -192,6 +194,6 @@ def parse(config: str | os.PathLike | dict, facts: ModelFacts) -> EngineConfig:
         allow_untested_optimizer=as_bool(raw.get("zero_allow_untested_optimizer", False),
                                        "zero_allow_untested_optimizer"),
         activation_checkpointing=checkpointing, comm_backend=backend, aio=parse_aio(raw.get("aio")),
-        monitoring=parse_monitoring(raw))
+        monitoring=parse_monitoring(raw), snapshots=snapshot_config.parse(raw))
     warn_no_effect(raw)  # once every value is validated
     return parsed

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -17,6 +18,9 @@ from ..activation import checkpointing
 from ..checkpoint import load as checkpoint_load
 from ..checkpoint import save as checkpoint_save
 from ..checkpoint.parts import CheckpointOptions, CheckpointParts
+from ..checkpoint.snapshot import Snapshots
+from ..checkpoint.snapshot_restore import Resumed
+from ..checkpoint.snapshot_restore import resume as snapshot_resume
 from ..monitor import comms
 from ..monitor.step_log import StepLog
 from ..sharding.accounting import MemoryReport, memory_report
@@ -48,6 +52,7 @@ class EngineParts:
     trainable: list  # the trainable parameters, in the buckets' parameter-index order
     activation: checkpointing.ActivationCheckpointing | None  # its own, from the config's section; else None
     step_log: StepLog  # the monitors and step timers, made and agreed on first (monitor/setup.py)
+    snapshots: Snapshots | None = None  # the config's checkpoint.in_memory (checkpoint/snapshot.py)
 
 
 @dataclass(slots=True)
@@ -101,6 +106,8 @@ class ZeroEngine:
         comms.LOGGER.configure(parts.config.monitoring.comms_logger)
         self.step_log = parts.step_log
         self.checkpoint_options = CheckpointOptions()  # how ranks agree in save/load_checkpoint (a test's hook)
+        self.snapshot_client_state: Callable[[], dict] | None = None  # the client's state in each snapshot
+        self.resumed: Resumed | None = None  # what resume() restored
 
     global_steps = _progress("global_steps")
     global_samples = _progress("global_samples")
@@ -153,6 +160,8 @@ class ZeroEngine:
             self.global_samples += self.train_batch_size()
             self.last_wire = self.parts.comm.take_wire()
             self._log_step()
+            if self.parts.snapshots is not None:
+                self.parts.snapshots.after_step(self.global_steps, self.checkpoint_parts, self.snapshot_client_state)
         self.micro_steps += 1
 
     def _log_step(self) -> None:
@@ -185,11 +194,15 @@ class ZeroEngine:
         """Releases what the engine holds besides memory, as DeepSpeed's
         engine.destroy(): the module and gradient hooks, the offload swap files
         and I/O threads, the comm seam. Idempotent; forward, backward and step
-        refuse afterwards."""
+        refuse afterwards. The run ended on purpose: this rank's in-memory
+        snapshots are removed."""
         if self._destroyed:
             return
         self._destroyed = True
         try:
+            if self.parts.snapshots is not None:
+                self.parts.snapshots.remove()
+                self.parts.snapshots.close()
             if self.parts.gatherer is not None:
                 self.parts.gatherer.remove()
             self.parts.group.close()
@@ -290,7 +303,8 @@ class ZeroEngine:
         report = memory_report(self.parts.group, self.optimizer, gatherer.peak_live_nbytes if gatherer else 0,
                                gatherer.kept_nbytes if gatherer else 0)
         activation = self.parts.activation or checkpointing.current()
-        return replace(report, checkpoint_nbytes=activation.stats.peak_held_nbytes)
+        snapshots = self.parts.snapshots.nbytes() if self.parts.snapshots is not None else 0
+        return replace(report, checkpoint_nbytes=activation.stats.peak_held_nbytes, snapshot_nbytes=snapshots)
 
     def full_params_fp32(self) -> list[torch.Tensor]:
         """Every trainable parameter's fp32 master, whole (a collective)."""
@@ -313,9 +327,27 @@ class ZeroEngine:
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         """Collective; returns True, as DeepSpeed. The checkpoint holds the
         trainable parameters (exclude_frozen_parameters is what it does anyway)."""
+        self._snapshot_done()
         checkpoint_save.save(self.checkpoint_parts(), save_dir, tag, client_state, save_latest=save_latest,
                              options=self.checkpoint_options)
         return True
+
+    def resume(self, load_dir: str | None = None) -> tuple[str | None, dict | None]:
+        """Collective: restores the newest of the in-memory snapshots (config
+        checkpoint.in_memory) and the disk checkpoint in load_dir; nothing for
+        a fresh start. Returns (path, client_state), (None, None) when nothing;
+        engine.resumed says from where, and the steps lost (checkpoint/snapshot_restore.py)."""
+        if self.parts.snapshots is None:
+            path, client_state = self.load_checkpoint(load_dir) if load_dir else (None, None)
+            self.resumed = Resumed("disk" if path else "none", self.global_steps)
+            return path, client_state
+        path, client_state, self.resumed = snapshot_resume(self.checkpoint_parts(), self.parts.snapshots, load_dir,
+                                                           self.checkpoint_options)
+        return path, client_state
+
+    def _snapshot_done(self) -> None:
+        if self.parts.snapshots is not None:
+            self.parts.snapshots.wait()
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
@@ -330,6 +362,7 @@ class ZeroEngine:
         optimizer states)."""
         if custom_load_fn is not None:
             raise ValueError("zero: load_checkpoint(custom_load_fn=...) is not supported")
+        self._snapshot_done()
         if tag is None and not os.path.isfile(os.path.join(load_dir, "latest")):
             log.warning(f"zero: load_checkpoint: no 'latest' file in {load_dir}; nothing loaded")
             return None, None

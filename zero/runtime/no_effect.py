@@ -45,6 +45,14 @@ NO_EFFECT: dict[str, tuple[Callable[[object], bool], str]] = {
     "fp16.fp16_master_weights_and_grads": (_is(False), "fp32 master weights are always kept"),
     "bf16.immediate_grad_update": (lambda value: True, "gradients are reduced per bucket as backward produces them"),
     "bf16.check_grad_overflow": (_is(False), "bf16 gradients are not checked for overflow (as in DeepSpeed's default)"),
+    "checkpoint.tag_validation": (lambda value: str(value).upper() != "FAIL",
+                                  "tags are not compared across ranks (every rank saves under the tag it is given)"),
+    "checkpoint.load_universal": (_is(False), "zero's own checkpoints load on any world size; DeepSpeed's universal "
+                                              "format is not read"),
+    "checkpoint.use_node_local_storage": (_is(False), "checkpoints go to one shared folder (in-memory snapshots: "
+                                                      "checkpoint.in_memory)"),
+    "checkpoint.parallel_write": (lambda value: not (isinstance(value, dict) and value.get("pipeline_stage")),
+                                  "every rank writes its own shard file already; there are no pipeline stages"),
     "zero_optimization.allgather_bucket_size": (
         _never, "updated parameters are all-gathered in the gradient buckets (reduce_bucket_size)"),
     "zero_optimization.contiguous_gradients": (_is(True), "gradients always live in contiguous flat buckets"),

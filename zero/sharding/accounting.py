@@ -31,6 +31,9 @@ class MemoryReport:
     # stage 3: the gathered units a forward keeps for its backward ([Note: reuse distance] in
     # ringcomm/plan/gathers.py: stage3_max_reuse_distance, stage3_max_live_parameters); part of comm_buffer_nbytes
     kept_gathered_nbytes: int = 0
+    # the in-memory snapshots' shared memory (/dev/shm) this rank's files hold: its pieces and its buddy
+    # copies of the last two steps (zero/checkpoint/snapshot.py; zero.estimate's snapshot_nbytes)
+    snapshot_nbytes: int = 0
 
     @property
     def model_state_nbytes(self) -> int:

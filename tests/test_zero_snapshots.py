@@ -1,0 +1,190 @@
+"""In-memory snapshots (zero/checkpoint/snapshot.py, snapshot_restore.py): a
+run that stops after step 5 (its processes gone, its /dev/shm kept) resumes
+in new processes from its snapshot and ends bit for bit where an
+uninterrupted run ends (fp32 masters, Adam's moments and steps, the buffers;
+dropout draws from the restored RNG states). Damaged snapshots are refused by
+checksum: the buddy's copy, the step before, or the disk checkpoint is used.
+A world of one rank resumes a two-rank snapshot (resharded). Rank kills under
+torchrun: test_restarts.py runs benchmarks/restarts.py --memory."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from harness import run_ranks
+
+from zero.checkpoint.snapshot import expired
+from zero.checkpoint.snapshot_config import SnapshotOptions, parse
+from zero.checkpoint.snapshot_wire import Placement
+
+WIDTH, STOPPED, STEPS, DISK_STEP = 16, 5, 8, 3
+
+
+def new_engine(root: str, stage: int = 2):
+    import zero
+
+    if root.endswith("{host}"):  # one simulated host per rank: its own name and its own snapshot folder
+        import socket
+
+        import torch.distributed as dist
+        host = f"host{dist.get_rank()}"
+        socket.gethostname = lambda: host
+        root = root.format(host=host)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.Dropout(0.3), nn.Linear(WIDTH, WIDTH))
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": stage},
+              "checkpoint": {"in_memory": {"enabled": True, "path": root}}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, *_ = zero.initialize(model=model, config=config)
+    return engine
+
+
+def train(engine, rank: int, world_size: int, until: int, ckpt: str | None = None) -> None:
+    while engine.global_steps < until:
+        step = engine.global_steps
+        x = torch.randn(4 * world_size, WIDTH, generator=torch.Generator().manual_seed(step))[4 * rank:4 * rank + 4]
+        engine.backward((engine(x) - x).square().mean())
+        engine.step()
+        if ckpt is not None and engine.global_steps == DISK_STEP:
+            engine.save_checkpoint(ckpt)
+
+
+def state_of(engine) -> dict:
+    """This rank's states, as lists: masters and Adam's moments by shard, buffers, a draw of the RNG."""
+    out = {}
+    for key, shard in engine.parts.group.state_dict().items():
+        for kind, tensor in shard.tensors.items():
+            out[f"{key}:{kind}"] = tensor.tolist()
+    for name, buf in engine.module.named_buffers():
+        out[name] = buf.tolist()
+    return out
+
+
+def run_worker(rank: int, world_size: int, root: str, ckpt: str, until: int, resume: bool) -> dict:
+    engine = new_engine(root)
+    resumed = None
+    if resume:
+        engine.resume(ckpt)
+        resumed = (engine.resumed.source, engine.resumed.step, engine.resumed.lost, engine.resumed.pieces)
+    train(engine, rank, world_size, until, ckpt)
+    engine.parts.snapshots.wait()
+    return {"state": state_of(engine), "rng": torch.rand(3).tolist(), "resumed": resumed}
+
+
+def resume_worker(rank: int, world_size: int, roots: dict[str, str], ckpt: str) -> dict:
+    """Resumes each damaged copy of the stopped run's snapshots (a fresh engine each)."""
+    out = {}
+    for case, root in roots.items():
+        engine = new_engine(root)
+        engine.resume(ckpt)
+        r = engine.resumed
+        out[case] = (r.source, r.step, r.lost, r.pieces, [p.tolist() for p in engine.full_params_fp32()])
+        engine.destroy()
+    return out
+
+
+def flip_byte(path: str, offset: int = -5) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(offset, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+def piece(root: str, step: int, rank: int, holder: int, name: str = "zero_shards_rank{r}_of2.safetensors") -> str:
+    return os.path.join(root, f"step{step}", f"rank{rank}_of2.by{holder}", name.format(r=rank))
+
+
+@pytest.mark.timeout(240)
+def test_resume_from_memory_matches_an_uninterrupted_run() -> None:
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm, tempfile.TemporaryDirectory() as disk:
+        stopped, ckpt = os.path.join(shm, "stopped"), os.path.join(disk, "ckpt")
+        run_ranks(run_worker, 2, stopped, ckpt, STOPPED, False)
+        assert sorted(os.listdir(stopped)) == ["progress", f"step{STOPPED - 1}", f"step{STOPPED}"]  # two kept
+        roots = {}
+        for case in ("buddy", "truncated", "disk", "reshard"):
+            roots[case] = os.path.join(shm, case)
+            shutil.copytree(stopped, roots[case])
+        flip_byte(piece(roots["buddy"], STOPPED, 1, 1))  # rank 1's own piece: its data
+        os.truncate(piece(roots["truncated"], STOPPED, 1, 1), 100)  # both of rank 1's copies of step 5
+        flip_byte(piece(roots["truncated"], STOPPED, 1, 0, "engine_state.pt"), -40)
+        for step in (STOPPED - 1, STOPPED):  # every copy of rank 0's piece of both steps
+            for holder in (0, 1):
+                flip_byte(piece(roots["disk"], step, 0, holder), -1)
+
+        resumed = run_ranks(run_worker, 2, stopped, ckpt, STEPS, True)
+        reference = run_ranks(run_worker, 2, os.path.join(shm, "reference"), os.path.join(disk, "ref"), STEPS, False)
+        one = run_ranks(resume_worker, 1, {"reshard": roots.pop("reshard"), "fresh": os.path.join(shm, "fresh")},
+                        ckpt)
+        cases = run_ranks(resume_worker, 2, roots, ckpt)
+        assert os.listdir(os.path.join(shm, "buddy")) == ["progress"], "destroy() removes the snapshots"
+
+    for rank in range(2):
+        assert resumed[rank]["resumed"] == ("memory", STOPPED, 0, {0: "own", 1: "own"})
+        ours, theirs = resumed[rank]["state"], reference[rank]["state"]
+        assert ours.keys() == theirs.keys() and len(ours) > 6
+        different = [key for key in ours if ours[key] != theirs[key]]
+        assert not different, f"rank {rank}: {different[:4]} differ from the uninterrupted run's"
+        assert resumed[rank]["rng"] == reference[rank]["rng"]
+        assert cases[rank]["buddy"][:4] == ("memory", STOPPED, 0, {0: "own", 1: "copy by rank 0"})
+        assert cases[rank]["truncated"][:3] == ("memory", STOPPED - 1, 1)
+        assert cases[rank]["disk"][:3] == ("disk", DISK_STEP, STOPPED - DISK_STEP)
+    assert one[0]["reshard"][:4] == ("memory", STOPPED, 0, {0: "own", 1: "own"})  # 2 ranks' pieces, 1 rank
+    assert one[0]["reshard"][4] == cases[0]["buddy"][4]  # the same step-5 masters, resharded
+    assert one[0]["fresh"][:3] == ("disk", DISK_STEP, None)  # no snapshot there: the disk checkpoint
+
+
+@pytest.mark.timeout(240)
+def test_a_host_replaced_or_lost_resumes_from_its_buddys_copy() -> None:
+    """Each rank plays a host (its own hostname and snapshot folder), so the
+    buddy copies travel as bytes over the snapshots' gloo group. Host 1's
+    folder then goes (its /dev/shm lost with it): two new ranks resume from
+    host 0's copy of rank 1's piece, fetched over the wire, and end bit for
+    bit where an uninterrupted run ends; one rank alone (the host is gone)
+    resumes both pieces, resharded."""
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm, tempfile.TemporaryDirectory() as disk:
+        hosts = os.path.join(shm, "run", "{host}")
+        run_ranks(run_worker, 2, hosts, os.path.join(disk, "ckpt"), STOPPED, False)
+        assert sorted(os.listdir(os.path.join(shm, "run", "host0", f"step{STOPPED}"))) == [
+            "rank0_of2.by0", "rank1_of2.by0"]  # its own piece and host 1's, copied
+        shutil.copytree(os.path.join(shm, "run", "host0"), os.path.join(shm, "alone", "host0"))
+        shutil.rmtree(os.path.join(shm, "run", "host1"))
+        resumed = run_ranks(run_worker, 2, hosts, os.path.join(disk, "none"), STEPS, True)
+        reference = run_ranks(run_worker, 2, os.path.join(shm, "ref", "{host}"), os.path.join(disk, "ref"), STEPS,
+                              False)
+        alone = run_ranks(resume_worker, 1, {"lost": os.path.join(shm, "alone", "{host}")}, os.path.join(disk, "x"))
+    fetched = "fetched from rank 0 (held by rank 0)"
+    for rank in range(2):
+        assert resumed[rank]["resumed"][:2] == ("memory", STOPPED)
+        assert resumed[rank]["resumed"][3][1] == ("copy by rank 0" if rank == 0 else fetched)
+        assert resumed[rank]["state"] == reference[rank]["state"]
+        assert resumed[rank]["rng"] == reference[rank]["rng"]
+    assert alone[0]["lost"][:4] == ("memory", STOPPED, 0, {0: "own", 1: "copy by rank 0"})
+
+
+def test_options_and_buddies() -> None:
+    assert parse({}) == SnapshotOptions()
+    options = parse({"checkpoint": {"in_memory": {"enabled": True, "interval": 5, "replicas": 0, "async": False}}})
+    assert (options.enabled, options.interval, options.replicas, options.asynchronous) == (True, 5, 0, False)
+    for bad in ({"interval": 0}, {"replicas": 2}, {"enabled": "yes"}, {"path": 3}):
+        with pytest.raises(ValueError, match="checkpoint.in_memory"):
+            parse({"checkpoint": {"in_memory": bad}})
+    two_hosts = Placement.of(["a", "a", "b", "b"])
+    assert [two_hosts.buddy(r) for r in range(4)] == [2, 3, 0, 1]  # the next host's rank of the same local index
+    assert two_hosts.sources(2) == [0] and not two_hosts.same_host(0, 2)
+    uneven = Placement.of(["a", "b", "b", "c"])
+    assert [uneven.buddy(r) for r in range(4)] == [1, 3, 3, 0]
+    assert sorted(uneven.sources(3)) == [1, 2]
+    one_host = Placement.of(["a"] * 3)
+    assert [one_host.buddy(r) for r in range(3)] == [1, 2, 0]
+    assert Placement.of(["a"]).buddy(0) is None
+    assert expired([3, 4, 5], 6) == [3, 4] and expired([10, 15], 20) == [10]  # the newest before stays
+    assert expired([5, 6, 7], 6) == [] and expired([], 1) == []  # (7: a step after a resume, replaced later)
