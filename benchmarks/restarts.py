@@ -21,6 +21,7 @@ state differs from the uninterrupted run's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -32,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -50,6 +52,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "shared with the workers), or c10d with a store per attempt "
                         "(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)")
     p.add_argument("--stage", type=int, default=2, choices=(0, 1, 2, 3))
+    p.add_argument("--memory", action="store_true",
+                   help="in-memory snapshots every step (config checkpoint.in_memory) and a disk checkpoint every "
+                        "--disk-every steps; each attempt resumes with engine.resume() from the newer")
+    p.add_argument("--disk-every", type=int, default=4, help="with --memory: steps between disk checkpoints")
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
@@ -96,14 +102,18 @@ def worker(args: argparse.Namespace) -> None:
     config = {"train_batch_size": 4 * world_size, "train_micro_batch_size_per_gpu": 4,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
               "zero_optimization": {"stage": plan["stage"]}}
+    memory = plan.get("snapshots")
+    if memory:
+        config["checkpoint"] = {"in_memory": {"enabled": True, "path": memory}}
     engine, *_ = zero.initialize(model=mlp(plan["layers"], plan["width"]), config=config)
     built = time.time()
     ckpt = os.path.join(folder, "ckpt")
-    engine.load_checkpoint(ckpt)  # (None, None) on the first attempt: nothing saved yet
+    engine.resume(ckpt)  # the newest of the snapshots and the disk checkpoint; nothing on the first attempt
     restored = time.time()
     resumed_from = engine.global_steps
     event = {"attempt": attempt, "rank": rank, "started": started, "imported": imported, "joined": joined,
-             "built": built, "restored": restored, "resumed_from": resumed_from}
+             "built": built, "restored": restored, "resumed_from": resumed_from, "source": engine.resumed.source,
+             "restore_parts": engine.resumed.seconds, "lost": engine.resumed.lost}
     kill = plan["kills"][attempt] if attempt < len(plan["kills"]) else None
     step = resumed_from
     try:
@@ -117,11 +127,14 @@ def worker(args: argparse.Namespace) -> None:
                 event["first_step"] = time.time()
                 log_event(folder, event)
             dies = kill is not None and rank == kill["rank"] and step == resumed_from + kill["after"]
-            if dies and kill["when"] == "before_save":
+            if dies and kill["when"] in ("before_save", "snapshot_in_flight"):
                 die(folder, attempt, rank, step)
-            engine.save_checkpoint(ckpt, tag=f"step{step}")
-            if rank == 0 and step >= 3:  # the newest two stay: a kill mid-save leaves the one before
-                shutil.rmtree(os.path.join(ckpt, f"step{step - 2}"))
+            if memory and dies:  # "after_snapshot": this step's snapshot complete on this rank
+                engine.parts.snapshots.wait()
+            if step % plan["disk_every"] == 0 or step == plan["steps"]:
+                engine.save_checkpoint(ckpt, tag=f"step{step}")
+                if rank == 0 and step % plan["disk_every"] == 0:  # the newest two stay
+                    shutil.rmtree(os.path.join(ckpt, f"step{step - 2 * plan['disk_every']}"), ignore_errors=True)
             if dies:
                 die(folder, attempt, rank, step)
     except RuntimeError as err:  # a survivor: its collective names the dead rank
@@ -222,7 +235,8 @@ def cycles_table(kills: list[dict], events: list[dict]) -> list[dict]:
         first = max(e["first_step"] for e in resumed)
         last = {part: max(e[part] for e in resumed) for part in ("started", "imported", "joined", "built",
                                                                    "restored")}
-        row.update(died_at=died["step"], resumed_from=resumed[0]["resumed_from"],
+        row.update(died_at=died["step"], resumed_from=resumed[0]["resumed_from"], source=resumed[0]["source"],
+                   reported_lost=resumed[0]["lost"],
                    lost=died["step"] - resumed[0]["resumed_from"],
                    detection=min(detected) - died["died"] if detected else None,
                    restart=min(e["started"] for e in resumed) - died["died"],
@@ -236,15 +250,29 @@ def cycles_table(kills: list[dict], events: list[dict]) -> list[dict]:
 
 def print_rows(rows: list[dict]) -> None:
     parts = ("detection", "restart", "startup", "join", "build", "restore", "first_step", "total")
-    print(f"{'cycle':>5} {'victim':>6} {'kill':<11} {'died':>4} {'from':>4} {'lost':>4} "
+    print(f"{'cycle':>5} {'victim':>6} {'kill':<18} {'source':<6} {'died':>4} {'from':>4} {'lost':>4} "
           + " ".join(f"{p:>10}" for p in parts) + "   (ms)")
     for row in rows:
         if "total" not in row:
-            print(f"{row['cycle']:>5} {row['victim']:>6} {row['when']:<11} DID NOT RESUME")
+            print(f"{row['cycle']:>5} {row['victim']:>6} {row['when']:<18} DID NOT RESUME")
             continue
         times = " ".join(f"{'-':>10}" if row[p] is None else f"{row[p] * 1e3:>10.0f}" for p in parts)
-        print(f"{row['cycle']:>5} {row['victim']:>6} {row['when']:<11} {row['died_at']:>4} {row['resumed_from']:>4} "
+        print(f"{row['cycle']:>5} {row['victim']:>6} {row['when']:<18} {row['source']:<6} {row['died_at']:>4} "
+              f"{row['resumed_from']:>4} "
               f"{row['lost']:>4} {times}")
+
+
+@contextlib.contextmanager
+def snapshot_folder(memory: bool) -> Iterator[str | None]:
+    """A fresh folder in /dev/shm for a run's in-memory snapshots (None without --memory), removed after."""
+    if not memory:
+        yield None
+        return
+    folder = tempfile.mkdtemp(prefix="zero-restarts-", dir="/dev/shm")
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -253,9 +281,11 @@ def main(argv: list[str] | None = None) -> int:
         worker(args)
         return 0
     rng = random.Random(args.seed)
-    kills = [{"rank": rng.randrange(2), "after": rng.randint(1, 3), "when": rng.choice(["before_save", "after_save"])}
+    whens = ["snapshot_in_flight", "after_snapshot"] if args.memory else ["before_save", "after_save"]
+    kills = [{"rank": rng.randrange(2), "after": rng.randint(1, 3), "when": rng.choice(whens)}
              for _ in range(args.cycles)]
-    plan = {"stage": args.stage, "width": args.width, "layers": args.layers, "steps": 3 * args.cycles + 3}
+    plan = {"stage": args.stage, "width": args.width, "layers": args.layers, "steps": 3 * args.cycles + 3,
+            "disk_every": args.disk_every if args.memory else 1}
     with open("/proc/loadavg") as f:
         print(f"{cpu_line()}; load before: {f.read().split()[0]}")
     print(f"zero stage {args.stage}, 2 ranks, {plan['steps']} steps, {args.cycles} kills, torchrun rdzv {args.rdzv}")
@@ -264,11 +294,13 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(soaked)
         os.makedirs(reference)
         start = time.perf_counter()
-        code, tail, events = run(args, {**plan, "kills": kills}, soaked)
+        with snapshot_folder(args.memory) as memory:
+            code, tail, events = run(args, {**plan, "kills": kills, "snapshots": memory}, soaked)
         seconds = time.perf_counter() - start
         rows = cycles_table(kills, events)
         print_rows(rows)
-        ref_code, ref_tail, _ = run(args, {**plan, "kills": []}, reference)
+        with snapshot_folder(args.memory) as memory:
+            ref_code, ref_tail, _ = run(args, {**plan, "kills": [], "snapshots": memory}, reference)
         ours, theirs = (final_state(folder, plan["steps"]) for folder in (soaked, reference))
         diff = differences(ours, theirs) if code == 0 and ref_code == 0 and ours else ["a run failed"]
     joined = sum(row["joined"] for row in rows)

@@ -89,15 +89,19 @@ def test_scope_follows_torchruns_store(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.timeout(240)
 @pytest.mark.slow
 def test_restart_soak_resumes_to_the_uninterrupted_state(tmp_path) -> None:
-    """benchmarks/restarts.py, 2 kills: each restart joins, resumes from the newest
-    checkpoint losing at most one step, and the final checkpoint equals an
+    """benchmarks/restarts.py --memory, 3 kills: each restart joins, resumes
+    with engine.resume() from the in-memory snapshots (a disk checkpoint every 4
+    steps) losing at most one step, and the final checkpoint equals an
     uninterrupted run's, tensor for tensor (the script's exit code says all three)."""
     out = tmp_path / "restarts.json"
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "restarts.py"), "--cycles", "2",
-                           "--seed", "1", "--out", str(out)], capture_output=True, text=True, timeout=220,
-                          env={**os.environ, "PYTHONPATH": REPO})
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "restarts.py"), "--cycles", "3",
+                           "--seed", "1", "--memory", "--out", str(out)], capture_output=True, text=True,
+                          timeout=220, env={**os.environ, "PYTHONPATH": REPO})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    # killed before its step's save, a run redoes that step; killed after it, none
-    want_lost = [1 if row["when"] == "before_save" else 0 for row in report["rows"]]
-    assert report["ok"] and [row["lost"] for row in report["rows"]] == want_lost, report["rows"]
+    rows = report["rows"]
+    assert report["ok"] and all(row["source"] == "memory" for row in rows), rows
+    # killed once its step's snapshot is complete, none is lost; with the snapshot in flight, at most that step
+    assert all(row["lost"] == (0 if row["when"] == "after_snapshot" else row["lost"]) <= 1 for row in rows), rows
+    assert {row["when"] for row in rows} == {"after_snapshot", "snapshot_in_flight"}, "seed 1 kills both ways"
+    assert [row["reported_lost"] for row in rows] == [row["lost"] for row in rows], "engine.resumed.lost is right"
