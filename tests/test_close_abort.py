@@ -211,6 +211,55 @@ def test_close_waits_for_a_call_not_yet_in_the_transport(transport, tmp_path):
     assert results == [[3.0], [3.0]], results
 
 
+def close_while_a_call_is_queued(rank, world_size, transport):
+    """A close that begins after an async call passed the open check but before
+    it was queued lets it run on the group's one comm thread, after the call
+    queued before it (it once started a second comm thread, racing the first:
+    out of order across ranks). Rank 0's first call is held until the second
+    was queued."""
+    group = ringcomm.new_group(transport=transport, timeout=20)
+    x, y = torch.full((NUMEL,), rank + 1.0), torch.full((NUMEL,), 10.0 * (rank + 1))
+    if rank == 1:
+        works = [ringcomm.all_reduce(t, group=group, async_op=True) for t in (x, y)]
+        for work in works:
+            work.wait()
+        group.close()
+        return [x.unique().tolist(), y.unique().tolist(), True]
+    release = threading.Event()
+    threads, closers = [], []
+    enter, transport_all_reduce = group._enter, group.transport.all_reduce
+
+    def held(**kwargs):
+        threads.append(threading.get_ident())
+        if len(threads) == 1:
+            assert release.wait(WAIT_S), "the second call was never queued"
+        return transport_all_reduce(**kwargs)
+
+    def entered_then_closed(op, async_op):
+        inline = enter(op, async_op)
+        closers.append(threading.Thread(target=group.close))
+        closers[0].start()
+        _wait_for("close to begin", lambda: group.state is ringcomm.GroupState.CLOSED)
+        return inline
+
+    group.transport.all_reduce = held
+    first = ringcomm.all_reduce(x, group=group, async_op=True)
+    group._enter = entered_then_closed
+    second = ringcomm.all_reduce(y, group=group, async_op=True)
+    release.set()
+    first.wait()
+    second.wait()
+    closers[0].join(WAIT_S)
+    assert not closers[0].is_alive(), "close did not finish"
+    return [x.unique().tolist(), y.unique().tolist(), len(set(threads)) == 1]
+
+
+@pytest.mark.parametrize("transport", ["shm", "torch_dist"])
+def test_close_lets_a_call_being_queued_run_in_order(transport):
+    results = run_ranks(close_while_a_call_is_queued, 2, transport, timeout=120)
+    assert results == [[[3.0], [30.0], True]] * 2, results
+
+
 def torch_dist_close_error(rank, world_size):
     """A closed torch_dist group refuses a call clearly (it raised AttributeError)."""
     group = ringcomm.new_group(transport="torch_dist", timeout=10)

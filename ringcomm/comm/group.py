@@ -160,6 +160,12 @@ class Group:
 
         with self._lock:
             if self._executor is None:
+                if self._state is not GroupState.OPEN:
+                    # close() or abort() took the comm thread while this call passed
+                    # _enter: a second comm thread would race the first one's calls.
+                    self._left()
+                    raise self.failed(entry, RuntimeError(f"{op}: rank {self.rank}: the group is "
+                                                          f"{self._state.value} ({self!r})"))
                 self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ringcomm-r{self.rank}")
             future = self._executor.submit(timed)
             self._last = future
@@ -251,15 +257,16 @@ class Group:
         """See [Note: group lifetime]. Idempotent; safe from any thread."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
-        executor = self._stop(GroupState.CLOSED)
+        self._stop(GroupState.CLOSED)
         on_comm_thread = threading.get_ident() == self._comm_thread  # from a Work's callback, say
         if not on_comm_thread:
-            # The transport is closed only once the calls past _enter have left it:
-            # closed first, it would refuse one not yet inside.
+            # The transport and the comm thread are closed only once the calls past
+            # _enter have left: closed first, they would refuse one not yet queued.
             with self._lock:
                 drained = self._idle.wait_for(lambda: not self._in_flight, timeout_s)
             if not drained:
                 self._abort_transport()
+        executor = self._take_executor()
         if executor is not None:
             executor.shutdown(wait=not on_comm_thread)
         self.transport.close(max(deadline - time.monotonic(), 0.0))
@@ -268,7 +275,8 @@ class Group:
     def abort(self) -> None:
         """See [Note: group lifetime]. Idempotent; safe from any thread."""
         self.transport.abort()  # first: a group seen aborted has its call in flight failing
-        executor = self._stop(GroupState.ABORTED)
+        self._stop(GroupState.ABORTED)
+        executor = self._take_executor()
         if executor is not None:
             executor.shutdown(wait=False)  # the rest fails without starting; the thread then ends
         self._release_pg()
@@ -277,12 +285,16 @@ class Group:
     def state(self) -> GroupState:
         return self._state
 
-    def _stop(self, state: GroupState) -> concurrent.futures.ThreadPoolExecutor | None:
-        """Refuses new calls; hands over the comm thread."""
+    def _stop(self, state: GroupState) -> None:
+        """Refuses new calls."""
         with self._lock:
             if self._state is GroupState.OPEN or state is GroupState.ABORTED:
                 self._state = state
             self.lean_handle = self._idle_handle = None
+
+    def _take_executor(self) -> concurrent.futures.ThreadPoolExecutor | None:
+        """Hands over the comm thread; calls not yet queued are refused from now on."""
+        with self._lock:
             executor, self._executor = self._executor, None
             return executor
 
