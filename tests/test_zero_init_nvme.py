@@ -33,6 +33,10 @@ def deleted_mappings(folder: str) -> int:
 
 
 def build(config: dict, remote_device: str | None, make) -> nn.Module:
+    """remote_device=None builds in memory: the config's offload_param.device would win, as in DeepSpeed."""
+    if remote_device is None:
+        config = {**config, "zero_optimization": {k: v for k, v in config["zero_optimization"].items()
+                                                  if k != "offload_param"}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with zero.Init(config_dict_or_path=config, remote_device=remote_device):
@@ -50,7 +54,13 @@ def init_nvme_worker(rank: int, world_size: int, root: str) -> None:
     params = [p for p in on_disk.parameters() if p.ds_tensor.numel() > 0]
     assert deleted_mappings(shard_folder) == len(params), \
         f"rank {rank}: {deleted_mappings(shard_folder)} mapped shard files for {len(params)} parameters"
-    assert os.listdir(shard_folder) == [], f"rank {rank}: left in {shard_folder}: {os.listdir(shard_folder)}"
+    assert not os.path.exists(shard_folder), f"rank {rank}: left in {shard_folder}: {os.listdir(shard_folder)}"
+    with warnings.catch_warnings():  # no remote_device: the config's offload_param.device places the shards
+        warnings.simplefilter("ignore")
+        with zero.Init(config_dict_or_path=config):
+            by_config = make_model("transformer")
+    assert deleted_mappings(shard_folder) == 2 * len(params), f"rank {rank}: the config's device was not taken"
+    del by_config
     for (name, mine), theirs in zip(on_disk.named_parameters(), in_memory.parameters()):
         assert mine.ds_tensor.dtype == torch.bfloat16 and torch.equal(mine.ds_tensor, theirs.ds_tensor), name
         assert torch.equal(gather(mine), gather(theirs)), f"rank {rank}: {name} gathers differently"

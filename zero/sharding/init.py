@@ -75,9 +75,11 @@ class NvmeShards:
         return mapped
 
     def close(self) -> None:
-        """Removes the folder (its files are unlinked already)."""
-        with contextlib.suppress(OSError):  # never made, or another Init's files are being written
-            os.rmdir(self.folder)
+        """Removes the folder and, when no other process's is in it, its parent
+        (the files are unlinked already)."""
+        for folder in (self.folder, os.path.dirname(self.folder)):
+            with contextlib.suppress(OSError):  # never made, or another Init's files are being written
+                os.rmdir(folder)
 
 
 def partition(param: nn.Parameter, dtype: torch.dtype | None = None, nvme: NvmeShards | None = None) -> None:
@@ -129,6 +131,15 @@ def _config_dtype(config) -> torch.dtype | None:
     return None
 
 
+def _remote_device(remote_device: str | None, config) -> str | None:
+    """Where the shards go: the config's offload_param.device when the config has
+    that section (it wins over the argument, as in DeepSpeed's Init), else the argument."""
+    section = (load(config) if config is not None else {}).get("zero_optimization", {}).get("offload_param")
+    if isinstance(section, dict) and section.get("device") is not None:
+        return section["device"]
+    return remote_device
+
+
 def _nvme_path(config) -> str:
     """Where remote_device="nvme" puts the shards: offload_param.nvme_path, as DeepSpeed's Init."""
     path = (load(config) if config is not None else {}).get("zero_optimization", {}).get(
@@ -160,6 +171,7 @@ class Init:
                  config=None, enabled: bool = True, dtype: torch.dtype | None = None, mpu=None, **kwargs) -> None:
         if data_parallel_group not in (None, dist.group.WORLD) or mpu is not None:
             raise ValueError("zero.Init: only the default process group is supported (data_parallel_group, mpu)")
+        remote_device = _remote_device(remote_device, config_dict_or_path or config)
         if remote_device not in (None, "none", "cpu", "nvme"):
             raise ValueError(f"zero.Init: remote_device {remote_device!r} is not one of None, 'cpu', 'nvme'")
         self.enabled = enabled
