@@ -190,7 +190,7 @@ def resume_and_bad_paths(rank: int, world_size: int, root: str) -> None:
     for i, (a, b) in enumerate(zip(engine.full_params_fp32(), torch.load(os.path.join(root, "saved.pt")), strict=True)):
         assert torch.equal(a, b), f"rank {rank}: parameter {i} differs from the saved checkpoint"
     run_steps(engine, rank, world_size, range(2, 3))
-    with pytest.raises(ValueError, match=r"offload_optimizer\.nvme_path '/sys'.*cannot create"):
+    with pytest.raises(ValueError, match=r"offload_param\.nvme_path '/sys'.*cannot create"):  # the first file made
         new_engine(3, "nvme", world_size, "/sys")  # not writable (the tests may run as root: chmod would not do)
     with pytest.raises(ValueError, match=r"nvme_path .* is not a directory"):
         new_engine(3, "nvme", world_size, os.path.join(root, "saved.pt"))

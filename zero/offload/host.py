@@ -72,13 +72,17 @@ class HostParamGroup(ParamGroup):
 
     def setup_masters(self) -> list[tuple[int, torch.Tensor]]:
         out = super().setup_masters()
+        self.place_host_shards()
+        return out
+
+    def place_host_shards(self) -> None:
+        """offload_param cpu on an accelerator: the shards move to host memory."""
         if self.param_options.device == "cpu" and self.policy.shard_params and self.device.type != "cpu":
             for bucket in self.buckets:
                 if not bucket.span.resident:
                     self.host_shards[bucket.span.index] = cuda.host_copy(
                         bucket.shard, bucket.shard.dtype, pin=self.param_options.pin_memory)
                     bucket.shard = self.placeholder(bucket)
-        return out
 
     def placeholder(self, bucket: ZeroBucket) -> torch.Tensor:
         """An offloaded shard's stand-in between uses: no memory, the shard's dtype and device."""

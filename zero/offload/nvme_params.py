@@ -22,6 +22,8 @@ import torch
 from ..checkpoint.format import Deferred, NamedShard
 from ..sharding import state
 from ..sharding.param_group import ZeroBucket, fold_into_master
+from ..sharding.policy import ShardingPolicy
+from ..sharding.seam import Comm
 from .config import AioOptions, OffloadOptions
 from .host import HostParamGroup
 from .nvme_states import STATE_NAMES, Member, NvmeStates, check_optimizer
@@ -105,44 +107,66 @@ class NvmeParamGroup(HostParamGroup):
     """offload_optimizer nvme (states in a swap file) and/or offload_param nvme
     (stage 3 shards in a swap file)."""
 
-    def __init__(self, *args, optimizer: torch.optim.Optimizer, aio: AioOptions, sub_group_size: int,
-                 **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, buckets: list[ZeroBucket], policy: ShardingPolicy, comm: Comm, *,
+                 optimizer: torch.optim.Optimizer, aio: AioOptions, sub_group_size: int, **kwargs) -> None:
+        # The shards go to their swap file before ParamGroup allocates the gradient
+        # buffers: set-up holds one or the other, not both.
+        param_options = kwargs.get("param_options")
+        self.shards = self._swap_out(buckets, param_options, aio, comm.rank) \
+            if param_options is not None and param_options.device == "nvme" and policy.shard_params else None
+        super().__init__(buckets, policy, comm, **kwargs)
         self.optimizer = optimizer  # whose state the swapped moments are
         self.aio, self.sub_group_size = aio, sub_group_size
         self.states: NvmeStates | None = None
-        self.shards: ShardSwap | None = None
         self.materialized = False
         if self.options.device == "nvme":
             check_optimizer(optimizer)
 
     def setup_masters(self) -> list[tuple[int, torch.Tensor]]:
-        out = super().setup_masters()
-        rank = self.comm.rank
-        if self.options.device == "nvme":
-            self.states = NvmeStates(self.buckets, self.options, self.aio, sub_group_size=self.sub_group_size,
-                                     rank=rank)
-            self.states.write_initial([bucket.master for bucket in self.buckets])
-            out = self._detach_masters(out)
-        if self.param_options.device == "nvme" and self.policy.shard_params:
-            self.shards = ShardSwap(self.buckets, self.param_options, self.aio, rank=rank)
-            for bucket in self.buckets:
-                if self.shards.swapped(bucket):
-                    self.shards.write(bucket, bucket.shard)
-                    bucket.shard = self.placeholder(bucket)
+        if self.options.device != "nvme":
+            return super().setup_masters()
+        numels = [[end - begin for _, begin, end in self.owned_slices(bucket)] for bucket in self.buckets]
+        self.states = NvmeStates(self.buckets, numels, self.options, self.aio, sub_group_size=self.sub_group_size,
+                                 rank=self.comm.rank)
+        out: list[tuple[int, torch.Tensor]] = []
+        self.states.write_initial(self._made_masters(out))
+        self.place_host_shards()
         return out
 
-    def _detach_masters(self, out: list[tuple[int, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
-        """Swaps the optimizer's parameters, views of the masters (a view keeps its
-        base alive), for leaf tensors that hold memory only while bound to a buffer."""
-        leaves = {}
-        for bucket in self.buckets:
-            bucket.master = None
-            for k, (view, begin, end) in enumerate(bucket.master_views):
-                leaf = self.states.empty.clone().requires_grad_()
-                leaves[id(view)] = leaf
-                bucket.master_views[k] = (leaf, begin, end)
-        return [(index, leaves[id(view)]) for index, view in out]
+    @staticmethod
+    def _swap_out(buckets: list[ZeroBucket], options: OffloadOptions, aio: AioOptions, rank: int) -> ShardSwap:
+        shards = ShardSwap(buckets, options, aio, rank=rank)
+        for bucket in buckets:
+            if shards.swapped(bucket):
+                shards.write(bucket, bucket.shard)
+                bucket.shard = bucket.shard.new_empty(0)  # placeholder()
+        return shards
+
+    def setup_master(self, bucket: ZeroBucket) -> list[tuple[int, torch.Tensor]]:
+        """A swapped shard is read back for its master (a copy: an fp32 master is its source)."""
+        if self.shards is None or not self.shards.swapped(bucket):
+            return super().setup_master(bucket)
+        placeholder = bucket.shard
+        values = self.shards.read(bucket, bucket.span.local_chunk(bucket.rank).numel, placeholder.dtype)
+        bucket.shard = values.to(placeholder.device, copy=True)
+        self.shards.release(bucket)
+        try:
+            return super().setup_master(bucket)
+        finally:
+            bucket.shard = placeholder
+
+    def _made_masters(self, out: list[tuple[int, torch.Tensor]]) -> Iterator[tuple[int, torch.Tensor]]:
+        """Each bucket's fp32 master, made when the initial write asks for it (so
+        at most a sub-group's buckets are in memory at once). The optimizer's
+        parameters, appended to `out`, are leaf tensors that hold memory only
+        while bound to a buffer, not views of the master (which keep it alive)."""
+        for k, bucket in enumerate(self.buckets):
+            pairs = self.setup_master(bucket)
+            master, bucket.master = bucket.master, None
+            for m, (_, begin, end) in enumerate(bucket.master_views):
+                bucket.master_views[m] = (self.states.empty.clone().requires_grad_(), begin, end)
+            out.extend((index, leaf) for (index, _), (leaf, _, _) in zip(pairs, bucket.master_views))
+            yield k, master
 
     def offloaded(self, bucket: ZeroBucket) -> bool:
         return self.states is not None or super().offloaded(bucket)

@@ -19,7 +19,7 @@ memory stays at buffer_count regions whatever the model size.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -80,10 +80,11 @@ class NvmeStates:
     """The swapped masters and states of `buckets` (their master_views are the
     optimizer's parameters; between steps they hold no memory)."""
 
-    def __init__(self, buckets: list[ZeroBucket], options: OffloadOptions, aio: AioOptions, *,
-                 sub_group_size: int, rank: int) -> None:
+    def __init__(self, buckets: list[ZeroBucket], numels: list[list[int]], options: OffloadOptions, aio: AioOptions,
+                 *, sub_group_size: int, rank: int) -> None:
+        """`numels`: each bucket's master slices (the master_views to come)."""
         self.buckets, self.options = buckets, options
-        self.sub_groups = plan_sub_groups([[e - b for _, b, e in bk.master_views] for bk in buckets], sub_group_size)
+        self.sub_groups = plan_sub_groups(numels, sub_group_size)
         last = self.sub_groups[-1] if self.sub_groups else None
         self.file = SwapFile(options.nvme_path, f"optimizer-rank{rank}",
                              last.offset + 3 * last.part_nbytes if last else 0, key="offload_optimizer.nvme_path")
@@ -137,18 +138,29 @@ class NvmeStates:
                 self.writes[slot] = None
 
     # ---- set-up ------------------------------------------------------------------------
-    def write_initial(self, masters: list[torch.Tensor]) -> None:
-        """Writes every bucket's fp32 master (owned span); the moments start as
-        zeros: written out unless fast_init (then the reserved file's zeros)."""
-        for index in range(len(self.sub_groups)):
+    def write_initial(self, masters: Iterable[tuple[int, torch.Tensor]]) -> None:
+        """Writes every bucket's fp32 master (owned span), taken from `masters`
+        ((bucket index, master) in bucket order) as the sub-groups need them and
+        dropped once written: a sub-group's buckets are held at most. The moments
+        start as zeros: written out unless fast_init (then the reserved file's zeros)."""
+        held: dict[int, torch.Tensor] = {}
+        made = iter(masters)
+        for index, sub in enumerate(self.sub_groups):
+            while sub.members[-1][0] not in held:
+                k, master = next(made)
+                held[k] = master
+            for k in [k for k in held if k < sub.members[0][0]]:
+                del held[k]
             self._buffer(index)
             master, *moments = self.parts(index)
             for (k, j), lo, hi in self.slices(index):
                 _, begin, end = self.buckets[k].master_views[j]
-                master[lo:hi].copy_(masters[k][begin:end])
+                master[lo:hi].copy_(held[k][begin:end])
             for moment in moments:
                 moment.zero_()
             self.start_write(index, masters_only=self.options.fast_init)
+        for _ in made:  # buckets with nothing to write (no owned slices) are set up all the same
+            pass
         self.finish_writes()
 
     # ---- the step ------------------------------------------------------------------------

@@ -194,21 +194,27 @@ class ParamGroup:
     def setup_masters(self) -> list[tuple[int, torch.Tensor]]:
         """Makes every bucket's fp32 master; returns (parameter index, master
         slice) pairs, the optimizer's parameters."""
-        out = []
-        for bucket in self.buckets:
-            if self.policy.shard_optimizer:
-                bucket.owned = bucket.span.local_chunk(bucket.rank)
-                source = bucket.shard
-            else:
-                source = bucket.full if bucket.full is not None else bucket.shard
-            bucket.master = self.make_master(bucket, source)
-            bucket.master_views = []
-            owned = bucket.owned
-            for index, local, _ in bucket.layout.local_slices(bucket.span.index, owned):
-                begin, end = local.begin - owned.begin, local.end - owned.begin
-                bucket.master_views.append((bucket.master[begin:end].requires_grad_(), begin, end))
-                out.append((index, bucket.master_views[-1][0]))
-        return out
+        return [pair for bucket in self.buckets for pair in self.setup_master(bucket)]
+
+    def setup_master(self, bucket: ZeroBucket) -> list[tuple[int, torch.Tensor]]:
+        """setup_masters() for one bucket."""
+        if self.policy.shard_optimizer:
+            source = bucket.shard
+        else:
+            source = bucket.full if bucket.full is not None else bucket.shard
+        slices = self.owned_slices(bucket)
+        bucket.master = self.make_master(bucket, source)
+        bucket.master_views = [(bucket.master[begin:end].requires_grad_(), begin, end) for _, begin, end in slices]
+        return [(index, view) for (index, _, _), (view, _, _) in zip(slices, bucket.master_views)]
+
+    def owned_slices(self, bucket: ZeroBucket) -> list[tuple[int, int, int]]:
+        """(parameter index, begin, end) of each parameter piece in the bucket's
+        master (its owned span when the optimizer is sharded, else all of it)."""
+        if self.policy.shard_optimizer:
+            bucket.owned = bucket.span.local_chunk(bucket.rank)
+        owned = bucket.owned
+        return [(index, local.begin - owned.begin, local.end - owned.begin)
+                for index, local, _ in bucket.layout.local_slices(bucket.span.index, owned)]
 
     def attach(self, optimizer: torch.optim.Optimizer, param_names: Sequence[str]) -> None:
         """The optimizer over the master slices and the parameters' names, by index: what state_dict names."""
