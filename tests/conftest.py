@@ -5,8 +5,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 
 # The longest test files, longest first (measured with --durations): they start at once.
-LONGEST = ("test_zero_zeropp", "test_wheel", "test_zero_deepspeed_interop", "test_cluster", "test_collectives",
-           "test_zero_dropin", "test_torch_suite", "test_faults", "test_zero_parity", "test_zero_checkpoint_kill")
+LONGEST = ("test_zero_zeropp", "test_zero_infinity", "test_wheel", "test_zero_deepspeed_interop", "test_cluster",
+           "test_collectives", "test_zero_dropin", "test_torch_suite", "test_faults", "test_zero_parity",
+           "test_zero_checkpoint_kill")
 
 
 def pytest_collection_modifyitems(config, items) -> None:
