@@ -1,0 +1,295 @@
+"""ZeRO-Infinity at the size it exists for: a GPT-style model whose states do
+not fit the machine trains at stage 3 with the optimizer states and the
+parameters on NVMe, and each step is set against its floor.
+
+    python benchmarks/infinity.py                              # ~3.0B parameters (48 GB of states), 2 ranks
+    python benchmarks/infinity.py --hidden 1024 --layers 12    # ~0.17B, a quick look
+    python benchmarks/infinity.py --memory-limit 16            # the ranks in a 16 GiB memory cgroup (root)
+
+The model: `--layers` pre-norm decoder blocks (attention with a fused qkv,
+an MLP of 4x hidden), untied embedding and head; bf16, AdamW, DeepSpeed's
+defaults but for the NVMe sections (max_in_cpu 0, buffer sizes that fit a
+block) and sub_group_size. It is built under zero.Init, straight into the swap
+files. Data: one fixed random sequence per rank, so the loss falls. The first
+step is not timed.
+
+Before training the script measures the disk's own sequential write and read
+rate in the NVMe folder (dd with O_DIRECT, --probe-gib) and the compute of a
+step (one block's forward and backward at the run's shapes, x layers, on one
+thread as the ranks run). Per step it counts the bytes the ranks moved to and
+from storage (/proc/self/io). The floor of a step is max(compute, read bytes /
+read rate + write bytes / write rate): the two ranks share one disk. Prints
+one row per step and a summary (peak resident memory per rank as VmHWM, the
+cgroup's peak when there is one, disk bytes, step / floor) and writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from launch import launch  # noqa: E402
+from machine import cpu_model, status_kib, write_json  # noqa: E402
+
+GB = 1e9
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=2560)
+    p.add_argument("--layers", type=int, default=38)
+    p.add_argument("--heads", type=int, default=20)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--seq", type=int, default=16, help="tokens per micro batch and rank")
+    p.add_argument("--steps", type=int, default=4, help="the first is not timed")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--sub-group-size", type=float, default=1e7)
+    p.add_argument("--nvme-path", default="/var/tmp", help="a folder on the disk to swap to (a temporary one in it)")
+    p.add_argument("--probe-gib", type=float, default=2.0, help="size of the disk probe's file")
+    p.add_argument("--memory-limit", type=float, default=None, help="GiB: run the ranks in a memory cgroup")
+    p.add_argument("--json", default="bench-results/infinity.json")
+    return p.parse_args(argv)
+
+
+def num_params(args) -> int:
+    h = args.hidden
+    return args.layers * (12 * h * h + 13 * h) + 2 * args.vocab * h + 2 * h
+
+
+def config(args, nvme_path: str) -> dict:
+    h = args.hidden
+    nvme = {"device": "nvme", "nvme_path": nvme_path, "pipeline_read": True, "pipeline_write": True}
+    block_shard = (12 * h * h + 13 * h) // args.nproc + 1
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0, "bf16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.01}},
+            "zero_optimization": {
+                "stage": 3, "sub_group_size": int(args.sub_group_size),
+                "offload_optimizer": {**nvme, "buffer_count": 4},
+                "offload_param": {**nvme, "buffer_count": 3, "max_in_cpu": 0,
+                                  "buffer_size": max(block_shard, args.vocab * h // args.nproc + 1)}},
+            "aio": {"block_size": 1 << 20, "thread_count": 2}}
+
+
+def make_model(args):
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            h = args.hidden
+            self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
+            self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
+            self.up, self.down = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, t, h = x.shape
+            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, args.heads, h // args.heads).permute(2, 0, 3, 1, 4)
+            x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, h))
+            return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+    class GPT(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(args.vocab, args.hidden)
+            self.blocks = nn.ModuleList(Block() for _ in range(args.layers))
+            self.norm, self.head = nn.LayerNorm(args.hidden), nn.Linear(args.hidden, args.vocab, bias=False)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            x = self.embed(tokens)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.norm(x))
+
+    return GPT, Block
+
+
+def compute_floor_s(args, Block) -> float:
+    """One block's forward and backward at the run's shapes (bf16, this thread), x layers."""
+    import torch
+
+    block = Block().to(torch.bfloat16)
+    x = torch.randn(1, args.seq, args.hidden, dtype=torch.bfloat16, requires_grad=True)
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        block(x).float().square().mean().backward()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * args.layers
+
+
+def estimated(args):
+    """zero.estimate's bytes per rank for this run (memory_model.need: stage 3,
+    both offloads on NVMe, bf16, DeepSpeed's default bucket sizes as the config)."""
+    from zero.estimate import memory_model as mm
+
+    shape = mm.TransformerShape(seq=args.seq, micro_batch=1, hidden=args.hidden, layers=args.layers,
+                                heads=args.heads, vocab=args.vocab)
+    job = mm.Job(num_params(args), args.nproc, max(4 * args.hidden ** 2, args.vocab * args.hidden), 0.0, shape, True)
+    return mm.need(job, mm.Plan(stage=3, offload_optimizer="nvme", offload_param="nvme", mixed_precision=True))
+
+
+def io_bytes() -> tuple[int, int]:
+    with open("/proc/self/io") as f:
+        fields = dict(line.split(": ") for line in f.read().splitlines())
+    return int(fields["read_bytes"]), int(fields["write_bytes"])
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import zero
+
+    rank = dist.get_rank()
+    if args.cgroup:
+        with open(os.path.join(args.cgroup, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+    GPT, Block = make_model(args)
+    compute_s = compute_floor_s(args, Block)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS: the peak from here is the build's and training's
+    started_kib = status_kib("VmRSS")
+    nvme_path = os.path.join(args.root, f"rank{rank}")
+    os.makedirs(nvme_path, exist_ok=True)
+    cfg = config(args, nvme_path)
+    build = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with zero.Init(config_dict_or_path=cfg):
+            torch.manual_seed(0)
+            model = GPT()
+        engine, *_ = zero.initialize(model=model, config=cfg)
+    build_s = time.perf_counter() - build
+    tokens = torch.randint(args.vocab, (1, args.seq + 1), generator=torch.Generator().manual_seed(rank))
+    steps = []
+    for _ in range(args.steps):
+        read0, write0 = io_bytes()
+        start = time.perf_counter()
+        logits = engine(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.float().view(-1, args.vocab), tokens[:, 1:].reshape(-1))
+        engine.backward(loss)
+        engine.step()
+        seconds = time.perf_counter() - start
+        read1, write1 = io_bytes()
+        steps.append({"loss": loss.item(), "s": seconds, "read": read1 - read0, "write": write1 - write0})
+    report = engine.memory_report()
+    row = {"rank": rank, "steps": steps, "compute_s": compute_s, "build_s": build_s,
+           "peak_mib": status_kib("VmHWM") / 1024, "started_mib": started_kib / 1024,
+           "disk_nbytes": report.disk_nbytes, "host_nbytes": report.host_nbytes,
+           "device_nbytes": report.device_nbytes}
+    engine.destroy()
+    rows = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, row)
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(rows, f)
+
+
+def dd_rate(command: list[str]) -> float:
+    """GB/s as dd reports it."""
+    out = subprocess.run(command, check=True, capture_output=True, text=True).stderr
+    match = re.search(r"(\d+) bytes .* copied, ([\d.]+) s", out)
+    return int(match[1]) / float(match[2]) / GB
+
+
+def disk_rates(folder: str, gib: float) -> tuple[float, float]:
+    """The disk's sequential (write, read) rate in GB/s, O_DIRECT, 8 MiB requests."""
+    path = os.path.join(folder, "probe")
+    count = max(int(gib * 128), 1)
+    try:
+        write = dd_rate(["dd", "if=/dev/zero", f"of={path}", "bs=8M", f"count={count}", "oflag=direct", "conv=fsync"])
+        read = dd_rate(["dd", f"if={path}", "of=/dev/null", "bs=8M", "iflag=direct"])
+    finally:
+        os.unlink(path)
+    return write, read
+
+
+def make_cgroup(limit_gib: float) -> str:
+    with open("/proc/self/cgroup") as f:
+        path = next(line.rstrip("\n").split(":", 2)[2] for line in f if "memory" in line.split(":")[1].split(","))
+    folder = os.path.join("/sys/fs/cgroup/memory", path.lstrip("/"), f"infinity-{uuid.uuid4().hex[:8]}")
+    os.mkdir(folder)
+    with open(os.path.join(folder, "memory.limit_in_bytes"), "w") as f:
+        f.write(str(int(limit_gib * 2**30)))
+    return folder
+
+
+def summarize(args, rows: list[dict], write_rate: float, read_rate: float, cgroup_peak: int | None) -> dict:
+    timed = range(1, args.steps)
+    step_s = [max(r["steps"][i]["s"] for r in rows) for i in timed]
+    read = [sum(r["steps"][i]["read"] for r in rows) for i in timed]
+    written = [sum(r["steps"][i]["write"] for r in rows) for i in timed]
+    disk_s = statistics.median(read) / GB / read_rate + statistics.median(written) / GB / write_rate
+    compute_s = max(r["compute_s"] for r in rows)
+    floor = max(compute_s, disk_s)
+    losses = [statistics.fmean(r["steps"][i]["loss"] for r in rows) for i in range(args.steps)]
+    return {"step_s": statistics.median(step_s), "step_s_range": [min(step_s), max(step_s)], "compute_s": compute_s,
+            "disk_s": disk_s, "floor_s": floor, "step_over_floor": statistics.median(step_s) / floor,
+            "read_gb_per_step": statistics.median(read) / GB, "write_gb_per_step": statistics.median(written) / GB,
+            "losses": losses, "loss_falls": all(map(math.isfinite, losses)) and losses[-1] < losses[0], "disk_gb": sum(r["disk_nbytes"] for r in rows) / GB,
+            "peak_mib": [r["peak_mib"] for r in rows], "cgroup_peak_mib": cgroup_peak and cgroup_peak / 2**20}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 16))  # freed blocks leave the resident set
+    params = num_params(args)
+    print(f"# infinity: {params / 1e9:.2f}B parameters, {16 * params / GB:.0f} GB of model states, {args.nproc} ranks, "
+          f"seq {args.seq}; {cpu_model()}; {os.cpu_count()} cpus; loadavg {open('/proc/loadavg').read().split()[:3]}")
+    with tempfile.TemporaryDirectory(prefix="zero-infinity-", dir=args.nvme_path) as root:
+        write_rate, read_rate = disk_rates(root, args.probe_gib)
+        print(f"# disk ({args.nvme_path}): write {write_rate:.2f} GB/s, read {read_rate:.2f} GB/s (dd, O_DIRECT)")
+        args.root, args.out = root, os.path.join(root, "rows.json")
+        args.cgroup = make_cgroup(args.memory_limit) if args.memory_limit else None
+        try:
+            code = launch(worker, args, nproc=args.nproc, timeout_s=1800, deadline_s=7200)
+            peak = int(open(os.path.join(args.cgroup, "memory.max_usage_in_bytes")).read()) if args.cgroup else None
+        finally:
+            if args.cgroup:
+                time.sleep(0.5)
+                os.rmdir(args.cgroup)
+        if code != 0:
+            return code
+        with open(args.out) as f:
+            rows = json.load(f)
+    print(f"{'step':>4} {'loss':>8} {'s':>8} {'read GB':>8} {'write GB':>8}")
+    for i in range(args.steps):
+        print(f"{i:>4} {statistics.fmean(r['steps'][i]['loss'] for r in rows):>8.4f} "
+              f"{max(r['steps'][i]['s'] for r in rows):>8.2f} {sum(r['steps'][i]['read'] for r in rows) / GB:>8.2f} "
+              f"{sum(r['steps'][i]['write'] for r in rows) / GB:>8.2f}")
+    summary = summarize(args, rows, write_rate, read_rate, peak)
+    print(f"step {summary['step_s']:.1f} s (median of steps 1-{args.steps - 1}), floor {summary['floor_s']:.1f} s "
+          f"(compute {summary['compute_s']:.1f} s, disk {summary['disk_s']:.1f} s): {summary['step_over_floor']:.2f}x")
+    need = estimated(args)
+    added = [r["peak_mib"] - r["started_mib"] for r in rows]
+    summary["estimate"] = {"memory_gb": (need.device_nbytes + need.host_nbytes) / GB, "nvme_gb": need.nvme_nbytes / GB,
+                           "measured_memory_gb": max(added) * 2**20 / GB,
+                           "measured_nvme_gb": max(r["disk_nbytes"] for r in rows) / GB}
+    print(f"per rank, zero.estimate vs measured: memory {summary['estimate']['memory_gb']:.2f} vs "
+          f"{summary['estimate']['measured_memory_gb']:.2f} GB (peak resident memory added by the build and training), "
+          f"NVMe {summary['estimate']['nvme_gb']:.2f} vs {summary['estimate']['measured_nvme_gb']:.2f} GB (swap files)")
+    print(f"peak resident memory per rank (VmHWM): {[round(p) for p in summary['peak_mib']]} MiB; cgroup peak: "
+          f"{summary['cgroup_peak_mib'] and round(summary['cgroup_peak_mib'])} MiB; swap files {summary['disk_gb']:.1f} GB; "
+          f"build {max(r['build_s'] for r in rows):.0f} s; loss falls: {summary['loss_falls']}")
+    write_json(args.json, {"args": {k: v for k, v in vars(args).items() if k not in ("root", "out", "cgroup")},
+                           "disk_gbps": {"write": write_rate, "read": read_rate}, "rows": rows, "summary": summary})
+    print(f"# wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
