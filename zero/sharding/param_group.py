@@ -209,7 +209,8 @@ class ParamGroup:
 
     def owned_slices(self, bucket: ZeroBucket) -> list[tuple[int, int, int]]:
         """(parameter index, begin, end) of each parameter piece in the bucket's
-        master (its owned span when the optimizer is sharded, else all of it)."""
+        master: its owned span when the optimizer is sharded (set here as
+        bucket.owned), else all of it."""
         if self.policy.shard_optimizer:
             bucket.owned = bucket.span.local_chunk(bucket.rank)
         owned = bucket.owned
