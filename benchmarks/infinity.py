@@ -219,9 +219,13 @@ def disk_rates(folder: str, gib: float) -> tuple[float, float]:
 
 
 def make_cgroup(limit_gib: float) -> str:
-    with open("/proc/self/cgroup") as f:
-        path = next(line.rstrip("\n").split(":", 2)[2] for line in f if "memory" in line.split(":")[1].split(","))
-    folder = os.path.join("/sys/fs/cgroup/memory", path.lstrip("/"), f"infinity-{uuid.uuid4().hex[:8]}")
+    """A child of this process's cgroup v1 memory cgroup, limited to `limit_gib`."""
+    from ringcomm.core import host
+
+    found = host.memory_cgroup_folder()
+    if found is None or found[1] != 1:
+        raise SystemExit("infinity: --memory-limit needs a cgroup v1 memory controller (/sys/fs/cgroup/memory)")
+    folder = os.path.join(found[0], f"infinity-{uuid.uuid4().hex[:8]}")
     os.mkdir(folder)
     with open(os.path.join(folder, "memory.limit_in_bytes"), "w") as f:
         f.write(str(int(limit_gib * 2**30)))

@@ -126,11 +126,15 @@ def worker(rank: int, world_size: int, folder: str | None, root: str, offload: b
 def consolidate(root: str, folder: str | None) -> str:
     """python -m zero.to_fp32 of the resumed checkpoint, in its own process charged to `folder`."""
     out = os.path.join(root, "fp32")
-    code = ("import ctypes, os, runpy, sys; ctypes.CDLL('libc.so.6').mallopt(-3, 1 << 16); "
-            f"folder = {folder!r}; folder and open(os.path.join(folder, 'cgroup.procs'), 'w').write(str(os.getpid())); "
-            "sys.argv = ['zero.to_fp32', *sys.argv[1:]]; runpy.run_module('zero.to_fp32', run_name='__main__')")
-    subprocess.run([sys.executable, "-c", code, os.path.join(root, "ckpt"), out + "/", "--tag", "resumed",
-                    "--format", "safetensors", "--max-shard-size", SHARD], check=True, timeout=300)
+
+    def charged() -> None:  # in the child, before it runs python
+        if folder is not None:
+            with open(os.path.join(folder, "cgroup.procs"), "w") as f:
+                f.write(str(os.getpid()))
+
+    subprocess.run([sys.executable, "-m", "zero.to_fp32", os.path.join(root, "ckpt"), out + "/", "--tag", "resumed",
+                    "--format", "safetensors", "--max-shard-size", SHARD], check=True, timeout=300,
+                   preexec_fn=charged, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 16)})  # as join()
     return out
 
 

@@ -24,13 +24,8 @@ LIMIT = 400 * 2**20
 
 def own_memory_cgroup() -> str | None:
     """This process's cgroup v1 memory folder, when there is one to make children in."""
-    with open("/proc/self/cgroup") as f:
-        for line in f:
-            _, controllers, path = line.rstrip("\n").split(":", 2)
-            if "memory" in controllers.split(","):
-                folder = os.path.join(host.CGROUP_ROOT, "memory", path.lstrip("/"))
-                return folder if os.access(folder, os.W_OK) else None
-    return None
+    found = host.memory_cgroup_folder()
+    return found[0] if found is not None and found[1] == 1 and os.access(found[0], os.W_OK) else None
 
 
 @pytest.fixture

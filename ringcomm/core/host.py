@@ -26,6 +26,22 @@ CGROUP_ROOT = "/sys/fs/cgroup"
 _NO_LIMIT = 1 << 62  # cgroup v1 says "no limit" with a number near 2**63
 
 
+def memory_cgroup_folder() -> tuple[str, int] | None:
+    """(folder, version) of the memory cgroup this process is charged to: cgroup
+    v1's memory controller (version 1) or v2's unified hierarchy (version 2);
+    None when /proc/self/cgroup names neither."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
+    except OSError:
+        return None
+    v1 = [path for _, controllers, path in lines if "memory" in controllers.split(",")]
+    if v1:
+        return os.path.join(CGROUP_ROOT, "memory", v1[0].lstrip("/")), 1
+    v2 = [path for hierarchy, controllers, path in lines if hierarchy == "0" and not controllers]
+    return (os.path.join(CGROUP_ROOT, v2[0].lstrip("/")), 2) if v2 else None
+
+
 def memory_cgroup() -> tuple[str, int, int] | None:
     """(path, limit, usage) in bytes of the memory cgroup this process is
     charged to, when it or one of its ancestors has a limit (the smallest
@@ -34,21 +50,13 @@ def memory_cgroup() -> tuple[str, int, int] | None:
     unified hierarchy (memory.max, memory.current). The usage leaves out the
     page cache the kernel can reclaim at once (inactive file pages), as the
     working set that container runtimes report does."""
-    try:
-        with open("/proc/self/cgroup") as f:
-            lines = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
-    except OSError:
+    found = memory_cgroup_folder()
+    if found is None:
         return None
-    v1 = [path for _, controllers, path in lines if "memory" in controllers.split(",")]
-    if v1:
-        root, files = os.path.join(CGROUP_ROOT, "memory"), ("memory.limit_in_bytes", "memory.usage_in_bytes")
-        path = v1[0]
-    else:
-        v2 = [path for hierarchy, controllers, path in lines if hierarchy == "0" and not controllers]
-        if not v2:
-            return None
-        root, files, path = CGROUP_ROOT, ("memory.max", "memory.current"), v2[0]
-    folder = os.path.join(root, path.lstrip("/"))
+    folder, version = found
+    v1 = version == 1
+    root = os.path.join(CGROUP_ROOT, "memory") if v1 else CGROUP_ROOT
+    files = ("memory.limit_in_bytes", "memory.usage_in_bytes") if v1 else ("memory.max", "memory.current")
     try:
         with open(os.path.join(folder, files[1])) as f:
             usage = int(f.read())
