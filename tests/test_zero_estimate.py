@@ -91,6 +91,41 @@ def test_ladder_hand_made() -> None:
     assert mm.first_fit(mm.ladder(job, 8, states + 0.5 * per_sample)).name == "+ activation checkpointing"
 
 
+def test_nvme_staging_hand_made() -> None:
+    """NVMe offload's host memory: the optimizer's staging regions (3 fp32
+    parts of the largest sub-group, buffer_count of them), the parameters'
+    buffers (a unit's shard each) and the shards max_in_cpu keeps."""
+    gb = 1e9
+    job = mm.Job(1e9, 2, largest_layer=1e8, largest_param=3e7, reduce_bucket_size=0, prefetch_bucket_size=0,
+                 max_live_parameters=0)
+    both = mm.Plan(stage=3, offload_optimizer="nvme", offload_param="nvme", mixed_precision=True)
+    # a parameter slice of 3e7 elements is a sub-group of its own: 4 x 12 B x 3e7; 3 buffers of a 5e7 shard
+    sizes = mm.NvmeSizes(sub_group_size=1e7, optimizer_buffer_count=4, param_buffer_count=3, max_in_cpu=0)
+    need = mm.need(replace(job, nvme=sizes), both)
+    assert need.host_nbytes == pytest.approx(4 * 12 * 3e7 + 3 * 5e7 * 2)
+    assert need.nvme_nbytes == pytest.approx(14 * 0.5 * gb)  # 12 B of optimizer states + 2 B of shard
+    # max_in_cpu keeps the first 1e8 elements of shards in memory, not on NVMe
+    need = mm.need(replace(job, nvme=replace(sizes, max_in_cpu=1e8)), both)
+    assert need.host_nbytes == pytest.approx(4 * 12 * 3e7 + 3 * 5e7 * 2 + 2e8)
+    assert need.nvme_nbytes == pytest.approx(7 * gb - 2e8)
+    # DeepSpeed's defaults (sub_group_size 1e9, max_in_cpu 1e9): the rank's whole share in one region,
+    # its shards in memory; only the optimizer states' file is on NVMe
+    need = mm.need(job, both)
+    assert need.host_nbytes == pytest.approx(12 * 0.5 * gb + 2 * 0.5 * gb)
+    assert need.nvme_nbytes == pytest.approx(12 * 0.5 * gb)
+    # optimizer states alone on NVMe at stage 2: no parameter buffers; parameters on cpu stay host bytes
+    need = mm.need(replace(job, nvme=sizes), mm.Plan(stage=2, offload_optimizer="nvme", mixed_precision=True))
+    assert need.host_nbytes == pytest.approx(4 * 12 * 3e7)
+    need = mm.need(replace(job, nvme=sizes), replace(both, offload_param="cpu"))
+    assert (need.host_nbytes, need.nvme_nbytes) == pytest.approx((4 * 12 * 3e7 + gb, 6 * gb))
+    # the ladder's NVMe rung streams small sub-groups, keeps no shard, and writes that into its config
+    rung = mm.ladder(job, 1, 2 * gb, 2 * gb, nvme_nbytes=10 * gb)[-1]
+    assert rung.fits and rung.need.host_nbytes == pytest.approx(4 * 12 * 3e7 + 5 * 5e7 * 2)
+    written = mm.deepspeed_config(rung.plan)["zero_optimization"]
+    assert (written["sub_group_size"], written["offload_param"]["max_in_cpu"]) == (1e7, 0)
+    assert written["offload_optimizer"]["pipeline_read"] and written["offload_optimizer"]["pipeline_write"]
+
+
 def test_counts_match_deepspeed() -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs, model_to_params
@@ -145,8 +180,8 @@ def states_worker(rank: int, world_size: int) -> list[str]:
 
 
 def offload_worker(rank: int, world_size: int, nvme_path: str) -> None:
-    """The offload rungs against the engine: bytes on the device, the host and
-    NVMe per rank (bf16 + Adam; NVMe staging buffers are the engine's own)."""
+    """The offload rungs against the engine: bytes on the device, the host
+    (with NVMe: its staging buffers) and NVMe per rank (bf16 + Adam)."""
     for build in (small, mlp):
         for stage, offload in ((1, "cpu"), (2, "cpu"), (3, "nvme")):
             section = {"device": offload, "nvme_path": nvme_path}
@@ -158,13 +193,18 @@ def offload_worker(rank: int, world_size: int, nvme_path: str) -> None:
             job = estimate(model=build, ranks=world_size, persistence_threshold=40, mixed_precision=True).job
             plan = mm.Plan(stage=stage, offload_optimizer=offload, offload_param=offload if stage == 3 else "none",
                            mixed_precision=True)
-            need = mm.need(replace(job, reduce_bucket_size=0, max_live_parameters=0), plan)  # states only
+            job = replace(job, reduce_bucket_size=0, max_live_parameters=0, nvme=mm.NvmeSizes(max_in_cpu=0))
+            need = mm.need(job, plan)
+            buffers = mm.comm_buffers(job.num_params, stage, 2, reduce_bucket_size=0, prefetch_bucket_size=0,
+                                      max_live_parameters=0, largest_layer=job.largest_layer)
+            need = need._replace(device_nbytes=need.device_nbytes - buffers.total)  # the states (and NVMe staging)
             case = f"rank {rank} {build.__name__} stage {stage} {offload}: {report}"
-            measured = (report.device_nbytes, report.disk_nbytes if offload == "nvme" else report.host_nbytes)
-            expected = (need.device_nbytes, need.nvme_nbytes if offload == "nvme" else need.host_nbytes)
-            # swap files page-align each part: 3 per sub-group (master, exp_avg, exp_avg_sq), 1 per bucket's shard
+            measured = (report.device_nbytes, report.host_nbytes) + ((report.disk_nbytes,) if offload == "nvme" else ())
+            expected = (need.device_nbytes, need.host_nbytes) + ((need.nvme_nbytes,) if offload == "nvme" else ())
+            # swap files and staging buffers page-align each part: 3 per sub-group (master, exp_avg,
+            # exp_avg_sq), 1 per bucket's shard
             aligned = 4096 * (3 + len(engine.parts.group.buckets)) if offload == "nvme" else 0
-            for got, want, where in zip(measured, expected, ("device", offload)):
+            for got, want, where in zip(measured, expected, ("device", "host", "nvme")):
                 assert want * 0.98 <= got <= want * 1.02 + aligned, \
                     f"{case} {where}: measured {got} B, estimate {want:.0f} B"
 

@@ -143,19 +143,61 @@ class Buffers(NamedTuple):
 def comm_buffers(num_params: float, stage: int, param_bytes: int, *, reduce_bucket_size: float,
                  prefetch_bucket_size: float, max_live_parameters: float, largest_layer: float,
                  max_reuse_distance: float = 0) -> Buffers:
-    """Stages 2-3 reduce from one transient bucket of reduce_bucket_size
-    elements; stage 3 holds the unit in use plus the prefetched ones, or at the
-    turn from forward to backward the units kept for backward (a suffix of
-    forward within half the reuse distance, [Note: reuse distance] in
-    ringcomm/plan/gathers.py) plus the prefetched ones; at most
-    stage3_max_live_parameters."""
-    gradient = min(reduce_bucket_size, num_params) * param_bytes if stage >= 2 else 0
-    gathered = 0
+    """Stage 2 reduces from one transient bucket of reduce_bucket_size
+    elements. Stage 3 gathers per unit (`largest_layer`, the largest) and
+    holds the unit in use plus the prefetched ones, or at the turn from
+    forward to backward the units kept for backward (a suffix of forward
+    within half the reuse distance, [Note: reuse distance] in
+    ringcomm/plan/gathers.py: at most that plus one unit), at most
+    stage3_max_live_parameters; it reduces per unit, so one unit's gradients
+    are transient beside the kept units (a second one's, while the first is
+    reduce-scattered, takes the place of a kept unit backward released)."""
+    gradient = gathered = 0.0
+    if stage == 2:
+        gradient = min(reduce_bucket_size, num_params) * param_bytes
     if stage == 3:
+        gradient = min(largest_layer, num_params) * param_bytes
         kept = min(max_reuse_distance / 2 + largest_layer, num_params) if max_reuse_distance > 0 else 0
-        in_use = max(largest_layer, kept) + prefetch_bucket_size
+        in_use = max(kept, largest_layer + prefetch_bucket_size)
         gathered = min(max_live_parameters, in_use, num_params) * param_bytes
     return Buffers(gradient, gathered)
+
+
+@dataclass(frozen=True, slots=True)
+class NvmeSizes:
+    """The NVMe sections' sizes (DeepSpeed's keys and defaults): what the
+    staging buffers and the shards kept in memory come from."""
+
+    sub_group_size: float = 1e9  # zero_optimization.sub_group_size
+    optimizer_buffer_count: int = 4  # offload_optimizer.buffer_count
+    param_buffer_count: int = 5  # offload_param.buffer_count
+    param_buffer_size: float = 1e8  # offload_param.buffer_size (elements)
+    max_in_cpu: float = 1e9  # offload_param.max_in_cpu (elements kept in memory)
+
+
+def nvme_host(num_params: float, world_size: int, stage: int, param_bytes: int, *, largest_layer: float,
+              largest_param: float, units: int, sizes: NvmeSizes, optimizer: bool, params: bool
+              ) -> tuple[float, float]:
+    """(host bytes, bytes of 16-bit shards kept in memory) of NVMe offload per
+    rank (zero/offload/nvme_states.py, nvme_params.py). The optimizer's
+    staging: min(buffer_count, sub-groups) regions of three fp32 parts
+    (master, exp_avg, exp_avg_sq) of the largest sub-group, which is
+    sub_group_size elements, or a larger parameter slice alone, at most the
+    rank's share. The parameters': min(buffer_count, units) buffers of the
+    largest unit's shard (`units` 0: buffer_count); the first max_in_cpu
+    elements of shards stay in memory."""
+    owned = num_params / world_size if stage >= 1 else num_params
+    staging = kept = 0.0
+    if optimizer and owned > 0:
+        sub = min(owned, max(sizes.sub_group_size, min(largest_param, owned)))
+        staging += min(sizes.optimizer_buffer_count, math.ceil(owned / sub)) * 3 * 4 * sub
+    if params and stage == 3 and owned > 0:
+        kept = min(sizes.max_in_cpu, owned) * param_bytes
+        swapped = owned - kept / param_bytes
+        shard = min(largest_layer / world_size, sizes.param_buffer_size, swapped) if largest_layer else 0.0
+        if shard > 0:
+            staging += min(sizes.param_buffer_count, units or sizes.param_buffer_count) * shard * param_bytes
+    return staging + kept, kept
 
 
 def snapshot_nbytes(num_params: float, world_size: int, stage: int, *, replicas: int = 1, slots: int = 2) -> float:
@@ -180,6 +222,7 @@ class Plan:
     offload_optimizer: str = "none"  # "none" | "cpu" | "nvme"
     offload_param: str = "none"
     mixed_precision: bool = False
+    nvme: NvmeSizes | None = None  # the NVMe sections' sizes where the plan sets them (else the job's)
 
 
 class Need(NamedTuple):
@@ -200,6 +243,9 @@ class Job:
     prefetch_bucket_size: float = 5e7
     max_live_parameters: float = 1e9
     max_reuse_distance: float = 1e9
+    largest_param: float = 0  # elements of the largest parameter (0: largest_layer)
+    units: int = 0  # stage 3's gather units (0: unknown, so at least the buffers NVMe offload may fill)
+    nvme: NvmeSizes = NvmeSizes()
 
 
 def need(job: Job, plan: Plan) -> Need:
@@ -208,12 +254,12 @@ def need(job: Job, plan: Plan) -> Need:
     p, psi, n = precision.param_bytes, job.num_params, job.world_size
     states = model_states(psi, n, plan.stage, precision, job.resident_params)
     device_params, device_grads, device_optimizer = states
-    offloaded = 0.0
+    moved = {"cpu": 0.0, "nvme": 0.0}  # what leaves the device, by where it goes
     if plan.offload_optimizer != "none":  # [Note: what is counted]: the gradients stay
-        offloaded, device_optimizer = offloaded + device_optimizer, 0.0
+        moved[plan.offload_optimizer], device_optimizer = moved[plan.offload_optimizer] + device_optimizer, 0.0
     if plan.offload_param != "none":  # stage 3: the shards leave; gathered modules and persistent ones stay
         whole = p * job.resident_params
-        offloaded, device_params = offloaded + device_params - whole, whole
+        moved[plan.offload_param], device_params = moved[plan.offload_param] + device_params - whole, whole
     buffers = comm_buffers(psi, plan.stage, p, reduce_bucket_size=job.reduce_bucket_size,
                            prefetch_bucket_size=job.prefetch_bucket_size,
                            max_live_parameters=job.max_live_parameters, largest_layer=job.largest_layer,
@@ -223,8 +269,11 @@ def need(job: Job, plan: Plan) -> Need:
         shape = replace(job.shape, micro_batch=plan.micro_batch)
         acts = activations(shape, p, checkpointed=plan.checkpointing).total_nbytes
     device = device_params + device_grads + device_optimizer + buffers.total + acts
-    on_nvme = plan.offload_optimizer == "nvme" or plan.offload_param == "nvme"
-    return Need(device, 0.0 if on_nvme else offloaded, offloaded if on_nvme else 0.0)
+    host, kept = nvme_host(psi, n, plan.stage, p, largest_layer=job.largest_layer,
+                           largest_param=job.largest_param or job.largest_layer, units=job.units,
+                           sizes=plan.nvme or job.nvme,
+                           optimizer=plan.offload_optimizer == "nvme", params=plan.offload_param == "nvme")
+    return Need(device, moved["cpu"] + host, moved["nvme"] - kept)
 
 
 class Rung(NamedTuple):
@@ -255,7 +304,7 @@ def ladder(job: Job, micro_batch: int, device_nbytes: float, host_nbytes: float 
         steps.append(("+ bf16", replace(z3_both, mixed_precision=True)))
     last = steps[-1][1]
     steps.append(("+ NVMe (offload_param + offload_optimizer)", replace(last, offload_param="nvme",
-                                                                      offload_optimizer="nvme")))
+                                                                      offload_optimizer="nvme", nvme=NVME_RUNG)))
     rungs = []
     for name, plan in steps:
         needed = need(job, plan)
@@ -263,6 +312,12 @@ def ladder(job: Job, micro_batch: int, device_nbytes: float, host_nbytes: float 
             and needed.nvme_nbytes <= nvme_nbytes
         rungs.append(Rung(name, plan, needed, fits))
     return rungs
+
+
+# The ladder's NVMe rung: DeepSpeed's defaults keep a whole sub-group of 1e9
+# elements (12 GB of staging) and 1e9 elements of shards in memory; the rung
+# streams small sub-groups and keeps no shard, as ZeRO-Infinity's runs do.
+NVME_RUNG = NvmeSizes(sub_group_size=1e7, max_in_cpu=0)
 
 
 def first_fit(rungs: list[Rung]) -> Rung | None:
@@ -280,6 +335,12 @@ def deepspeed_config(plan: Plan, *, nvme_path: str = "/local_nvme") -> dict:
             zero[key] = {"device": "cpu", "pin_memory": True}
         elif device == "nvme":
             zero[key] = {"device": "nvme", "nvme_path": nvme_path, "pin_memory": True}
+    if plan.nvme is not None:
+        zero["sub_group_size"] = int(plan.nvme.sub_group_size)
+        if "offload_param" in zero:
+            zero["offload_param"]["max_in_cpu"] = int(plan.nvme.max_in_cpu)
+    if plan.offload_optimizer == "nvme":  # the next sub-group read, the last written, while one updates
+        zero["offload_optimizer"].update(pipeline_read=True, pipeline_write=True)
     config = {"train_micro_batch_size_per_gpu": plan.micro_batch, "gradient_accumulation_steps": plan.accumulation,
               "gradient_clipping": 1.0, "zero_optimization": zero}
     if plan.offload_optimizer != "none":

@@ -45,6 +45,7 @@ class ModelCount:
 
     param_numels: tuple[int, ...]  # each distinct parameter once
     largest_layer: int  # the most parameters one module owns
+    units: int = 0  # modules owning parameters (stage 3 gathers at most this many units)
 
     @property
     def num_params(self) -> int:
@@ -70,9 +71,9 @@ def count_model(build: str | Callable) -> ModelCount:
         model = build()
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"zero.estimate: the model builder returned {type(model).__name__}, not an nn.Module")
-    largest = max((sum(p.numel() for p in module.parameters(recurse=False)) for module in model.modules()), default=0)
+    owned = [sum(p.numel() for p in module.parameters(recurse=False)) for module in model.modules()]
     params = list(model.parameters())  # each shared parameter once
-    return ModelCount(tuple(p.numel() for p in params), largest)
+    return ModelCount(tuple(p.numel() for p in params), max(owned, default=0), sum(1 for n in owned if n))
 
 
 HF_KEYS = {  # TransformerShape field <- Hugging Face config names (GPT-2's first)
@@ -187,7 +188,7 @@ def estimate(params: float | str | None = None, ranks: int = 1, *, model: str | 
     if not largest and shape is not None:
         largest = 4 * shape.hidden * shape.hidden
     job = mm.Job(num_params, ranks, largest, resident, shape, mixed_precision, reduce_bucket_size,
-                 prefetch_bucket_size, max_live_parameters, max_reuse_distance)
+                 prefetch_bucket_size, max_live_parameters, max_reuse_distance, units=count.units if count else 0)
     result = Estimate(job, shape.micro_batch if shape else 1)
     for stage in mm.STAGES:
         result.stage_rows.append(StageRow(stage, mm.model_states(num_params, ranks, stage, mm.MIXED, resident).total,

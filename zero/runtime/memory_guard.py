@@ -34,11 +34,14 @@ def host_need_nbytes(params: list[nn.Parameter], cfg: config_mod.EngineConfig, w
     """Host bytes this rank's engine will still allocate ([Note: memory guard])."""
     numels = [zero_init.full_numel(p) for p in params]
     zero = cfg.zero
+    optimizer, param = zero.offload_optimizer_options, zero.offload_param_options
+    nvme = mm.NvmeSizes(zero.sub_group_size, optimizer.buffer_count, param.buffer_count, param.buffer_size,
+                        param.max_in_cpu)
     job = mm.Job(float(sum(numels)), world_size, float(max(numels, default=0)), 0.0, None,
                  cfg.dtype != "float32", zero.reduce_bucket_size, zero.prefetch_bucket_size,
-                 zero.max_live_parameters, zero.max_reuse_distance)
-    plan = mm.Plan(stage=zero.stage, offload_optimizer=zero.offload_optimizer_options.device,
-                   offload_param=zero.offload_param_options.device, mixed_precision=cfg.dtype != "float32")
+                 zero.max_live_parameters, zero.max_reuse_distance, nvme=nvme)
+    plan = mm.Plan(stage=zero.stage, offload_optimizer=optimizer.device, offload_param=param.device,
+                   mixed_precision=cfg.dtype != "float32")
     need = mm.need(job, plan)
     on_host = params[0].device.type == "cpu" if params else True
     total = need.host_nbytes + (need.device_nbytes if on_host else 0.0)
