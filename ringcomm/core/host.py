@@ -48,8 +48,9 @@ def memory_cgroup() -> tuple[str, int, int] | None:
     counts); None when none has one or the cgroup cannot be read. cgroup v1's
     memory controller (memory.limit_in_bytes, memory.usage_in_bytes) or v2's
     unified hierarchy (memory.max, memory.current). The usage leaves out the
-    page cache the kernel can reclaim at once (inactive file pages), as the
-    working set that container runtimes report does."""
+    page cache (file pages, active and inactive): the kernel reclaims it
+    before it kills a process of the cgroup (a swap file's pages or the
+    libraries' make room), so what counts is anonymous and shared memory."""
     found = memory_cgroup_folder()
     if found is None:
         return None
@@ -62,7 +63,8 @@ def memory_cgroup() -> tuple[str, int, int] | None:
             usage = int(f.read())
     except (OSError, ValueError):
         return None
-    usage -= _inactive_file_nbytes(folder, "total_inactive_file" if v1 else "inactive_file")
+    prefix = "total_" if v1 else ""
+    usage -= _stat_nbytes(folder, (f"{prefix}active_file", f"{prefix}inactive_file"))
     limit, here = None, folder
     while True:  # the tightest limit on the way up to the root
         try:
@@ -78,13 +80,15 @@ def memory_cgroup() -> tuple[str, int, int] | None:
     return None if limit is None else (folder, limit, usage)
 
 
-def _inactive_file_nbytes(folder: str, key: str) -> int:
+def _stat_nbytes(folder: str, keys: tuple[str, ...]) -> int:
+    """The sum of memory.stat's `keys` (0 where unreadable)."""
+    total = 0
     try:
         with open(os.path.join(folder, "memory.stat")) as f:
             for line in f:
                 name, _, value = line.partition(" ")
-                if name == key:
-                    return int(value)
+                if name in keys:
+                    total += int(value)
     except (OSError, ValueError):
-        pass
-    return 0
+        return 0
+    return total
