@@ -5,11 +5,14 @@ parameters on NVMe, and each step is set against its floor.
     python benchmarks/infinity.py                              # ~3.0B parameters (48 GB of states), 2 ranks
     python benchmarks/infinity.py --hidden 1024 --layers 12    # ~0.17B, a quick look
     python benchmarks/infinity.py --memory-limit 16            # the ranks in a 16 GiB memory cgroup (root)
+    python benchmarks/infinity.py --layers 32 --seq 4 --steps 2 --checkpoint   # + save, load, to_fp32
+    python benchmarks/infinity.py --engine deepspeed           # the same run on DeepSpeed (needs libaio-dev)
 
 The model: `--layers` pre-norm decoder blocks (attention with a fused qkv,
-an MLP of 4x hidden), untied embedding and head; bf16, AdamW, DeepSpeed's
-defaults but for the NVMe sections (max_in_cpu 0, buffer sizes that fit a
-block) and sub_group_size. It is built under zero.Init, straight into the swap
+an MLP of 4x hidden), untied embedding and head; bf16, AdamW. The config is
+the one zero.estimate's out-of-memory ladder writes for its NVMe rung
+(sub_group_size 1e7, max_in_cpu 0, pipelined optimizer swaps, DeepSpeed's
+defaults elsewhere). It is built under zero.Init, straight into the swap
 files. Data: one fixed random sequence per rank, so the loss falls. The first
 step is not timed.
 
@@ -21,14 +24,24 @@ from storage (/proc/self/io). The floor of a step is max(compute, read bytes /
 read rate + write bytes / write rate): the two ranks share one disk. Prints
 one row per step and a summary (peak resident memory per rank as VmHWM, the
 cgroup's peak when there is one, disk bytes, step / floor) and writes JSON.
+
+--checkpoint: after the steps each rank saves a checkpoint and loads it back
+(`--checkpoint-dir`, on the disk), each phase's peak resident memory against
+the training peak and the largest bucket's fp32 master; then `python -m
+zero.to_fp32 --max-shard-size` consolidates it in a process of its own (its
+peak from wait4), once the ranks and their swap files are gone.
+--engine deepspeed runs the same model and config through deepspeed.zero.Init
+and deepspeed.initialize (its NVMe offload needs the async_io op: libaio-dev).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -40,6 +53,7 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from launch import launch  # noqa: E402
+from checkpoint_memory import measured  # noqa: E402
 from machine import cpu_model, status_kib, write_json  # noqa: E402
 
 GB = 1e9
@@ -55,10 +69,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=16, help="tokens per micro batch and rank")
     p.add_argument("--steps", type=int, default=4, help="the first is not timed")
     p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--sub-group-size", type=float, default=1e7)
+    p.add_argument("--sub-group-size", type=float, default=1e7, help="the ladder's (zero.estimate)")
     p.add_argument("--nvme-path", default="/var/tmp", help="a folder on the disk to swap to (a temporary one in it)")
     p.add_argument("--probe-gib", type=float, default=2.0, help="size of the disk probe's file")
     p.add_argument("--memory-limit", type=float, default=None, help="GiB: run the ranks in a memory cgroup")
+    p.add_argument("--engine", default="zero", choices=("zero", "deepspeed"))
+    p.add_argument("--checkpoint", action="store_true", help="save, load and consolidate after the steps (zero)")
+    p.add_argument("--checkpoint-dir", default="/var/tmp", help="a folder on the disk for the checkpoint")
+    p.add_argument("--max-shard-size", default="2GB", help="of python -m zero.to_fp32")
     p.add_argument("--json", default="bench-results/infinity.json")
     return p.parse_args(argv)
 
@@ -69,17 +87,28 @@ def num_params(args) -> int:
 
 
 def config(args, nvme_path: str) -> dict:
-    h = args.hidden
-    nvme = {"device": "nvme", "nvme_path": nvme_path, "pipeline_read": True, "pipeline_write": True}
-    block_shard = (12 * h * h + 13 * h) // args.nproc + 1
-    return {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0, "bf16": {"enabled": True},
-            "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.01}},
-            "zero_optimization": {
-                "stage": 3, "sub_group_size": int(args.sub_group_size),
-                "offload_optimizer": {**nvme, "buffer_count": 4},
-                "offload_param": {**nvme, "buffer_count": 3, "max_in_cpu": 0,
-                                  "buffer_size": max(block_shard, args.vocab * h // args.nproc + 1)}},
-            "aio": {"block_size": 1 << 20, "thread_count": 2}}
+    """The config zero.estimate's ladder writes for its last rung (stage 3,
+    both offloads on NVMe: sub_group_size 1e7, max_in_cpu 0, pipelined
+    optimizer reads and writes, DeepSpeed's defaults elsewhere), with AdamW,
+    the NVMe folder and --sub-group-size."""
+    from zero.estimate import memory_model as mm
+
+    plan = mm.Plan(stage=3, offload_optimizer="nvme", offload_param="nvme", mixed_precision=True,
+                   nvme=mm.NVME_RUNG)
+    cfg = mm.deepspeed_config(plan, nvme_path=nvme_path)
+    cfg["zero_optimization"]["sub_group_size"] = int(args.sub_group_size)
+    cfg["optimizer"] = {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.01}}
+    if args.engine == "deepspeed":  # what DeepSpeed 0.19.8 needs (docs/zero.md: at 2.6B it still fails)
+        zero = cfg["zero_optimization"]
+        # its pipelined swapper fails: "assert new_alloc_buffers is not None" (pipelined_optimizer_swapper.py)
+        zero["offload_optimizer"].update(pipeline_read=False, pipeline_write=False)
+        # its param swapper holds a buffer per live parameter: with max_in_cpu 0 the first forward fails
+        # ("Not enough buffers 0 for swapping 1") with 5 buffers and with 16; its default max_in_cpu (1e9
+        # elements) keeps the shards in memory up to that
+        largest = max(4 * args.hidden ** 2, args.vocab * args.hidden)
+        del zero["offload_param"]["max_in_cpu"]
+        zero["offload_param"].update(buffer_count=16, buffer_size=largest // args.nproc + 1)
+    return cfg
 
 
 def make_model(args):
@@ -133,12 +162,22 @@ def compute_floor_s(args, Block) -> float:
 
 def estimated(args):
     """zero.estimate's bytes per rank for this run (memory_model.need: stage 3,
-    both offloads on NVMe, bf16, DeepSpeed's default bucket sizes as the config)."""
+    both offloads on NVMe, bf16, the config's NVMe sizes, DeepSpeed's default
+    bucket sizes; the gather unit is a block)."""
     from zero.estimate import memory_model as mm
 
-    shape = mm.TransformerShape(seq=args.seq, micro_batch=1, hidden=args.hidden, layers=args.layers,
-                                heads=args.heads, vocab=args.vocab)
-    job = mm.Job(num_params(args), args.nproc, max(4 * args.hidden ** 2, args.vocab * args.hidden), 0.0, shape, True)
+    h = args.hidden
+    shape = mm.TransformerShape(seq=args.seq, micro_batch=1, hidden=h, layers=args.layers, heads=args.heads,
+                                vocab=args.vocab)
+    zero = config(args, "")["zero_optimization"]
+    optimizer, param = zero["offload_optimizer"], zero["offload_param"]
+    default = mm.NvmeSizes()  # DeepSpeed's, where the config leaves a key out
+    nvme = mm.NvmeSizes(zero["sub_group_size"], optimizer.get("buffer_count", default.optimizer_buffer_count),
+                        param.get("buffer_count", default.param_buffer_count),
+                        param.get("buffer_size", default.param_buffer_size),
+                        param.get("max_in_cpu", default.max_in_cpu))
+    job = mm.Job(num_params(args), args.nproc, max(12 * h * h + 13 * h, args.vocab * h), 0.0, shape, True,
+                 largest_param=max(4 * h * h, args.vocab * h), units=args.layers + 3, nvme=nvme)
     return mm.need(job, mm.Plan(stage=3, offload_optimizer="nvme", offload_param="nvme", mixed_precision=True))
 
 
@@ -154,6 +193,12 @@ def worker(args) -> None:
 
     import zero
 
+    warnings.simplefilter("ignore")  # DeepSpeed's deprecation warnings, once per collective
+    if args.engine == "deepspeed":
+        import deepspeed
+        init, initialize = deepspeed.zero.Init, deepspeed.initialize
+    else:
+        init, initialize = zero.Init, zero.initialize
     rank = dist.get_rank()
     if args.cgroup:
         with open(os.path.join(args.cgroup, "cgroup.procs"), "w") as f:
@@ -167,13 +212,14 @@ def worker(args) -> None:
     os.makedirs(nvme_path, exist_ok=True)
     cfg = config(args, nvme_path)
     build = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with zero.Init(config_dict_or_path=cfg):
-            torch.manual_seed(0)
-            model = GPT()
-        engine, *_ = zero.initialize(model=model, config=cfg)
+    with init(config_dict_or_path=cfg):
+        torch.manual_seed(0)
+        model = GPT()
+    engine, *_ = initialize(model=model, model_parameters=model.parameters(), config=cfg)
     build_s = time.perf_counter() - build
+    build_peak_kib = status_kib("VmHWM")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the training's own peak from here
     tokens = torch.randint(args.vocab, (1, args.seq + 1), generator=torch.Generator().manual_seed(rank))
     steps = []
     for _ in range(args.steps):
@@ -186,11 +232,19 @@ def worker(args) -> None:
         seconds = time.perf_counter() - start
         read1, write1 = io_bytes()
         steps.append({"loss": loss.item(), "s": seconds, "read": read1 - read0, "write": write1 - write0})
-    report = engine.memory_report()
     row = {"rank": rank, "steps": steps, "compute_s": compute_s, "build_s": build_s,
-           "peak_mib": status_kib("VmHWM") / 1024, "started_mib": started_kib / 1024,
-           "disk_nbytes": report.disk_nbytes, "host_nbytes": report.host_nbytes,
-           "device_nbytes": report.device_nbytes}
+           "build_peak_mib": build_peak_kib / 1024, "train_peak_mib": status_kib("VmHWM") / 1024,
+           "peak_mib": max(build_peak_kib, status_kib("VmHWM")) / 1024, "started_mib": started_kib / 1024}
+    if args.engine == "zero":
+        report = engine.memory_report()
+        row.update(disk_nbytes=report.disk_nbytes, report=dataclasses.asdict(report))
+    else:  # DeepSpeed's swap files stay in the folder
+        row["disk_nbytes"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(nvme_path) for f in fs)
+    if args.checkpoint:
+        row["phases"], saved = {}, os.path.join(args.checkpoint_at, "ckpt")
+        measured(row["phases"], "save_checkpoint", lambda: engine.save_checkpoint(saved, tag="infinity"))
+        measured(row["phases"], "load_checkpoint", lambda: engine.load_checkpoint(saved, tag="infinity"))
+        row["bucket_mib"] = max(b.span.numel for b in engine.parts.group.buckets) * 4 / 2**20  # fp32 master
     engine.destroy()
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
@@ -216,6 +270,38 @@ def disk_rates(folder: str, gib: float) -> tuple[float, float]:
     finally:
         os.unlink(path)
     return write, read
+
+
+def consolidate(args) -> dict:
+    """python -m zero.to_fp32 --max-shard-size on the checkpoint, in a process
+    of its own (in the cgroup when there is one): its peak RSS, seconds, files."""
+    out = os.path.join(args.checkpoint_at, "fp32")
+    command = [sys.executable, "-m", "zero.to_fp32", os.path.join(args.checkpoint_at, "ckpt"), out, "--max-shard-size", args.max_shard_size]
+    join = (lambda: open(os.path.join(args.cgroup, "cgroup.procs"), "w").write(str(os.getpid()))) if args.cgroup else None
+    start = time.perf_counter()
+    proc = subprocess.Popen(command, preexec_fn=join)
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode:
+        raise SystemExit(f"infinity: {' '.join(command)} exited with {proc.returncode}")
+    sizes = [os.path.getsize(os.path.join(out, f)) for f in sorted(os.listdir(out))]
+    return {"seconds": time.perf_counter() - start, "peak_mib": usage.ru_maxrss / 1024, "files": len(sizes),
+            "largest_file_gb": max(sizes) / GB, "total_gb": sum(sizes) / GB}
+
+
+def checkpoint_lines(args, rows: list[dict], fp32: dict) -> list[str]:
+    lines = [f"checkpoint ({args.checkpoint_at}): peak resident memory per rank against the training peak "
+             f"(allowed: one bucket, {rows[0]['bucket_mib']:.0f} MiB of fp32 master)"]
+    for name in ("save_checkpoint", "load_checkpoint"):
+        cells = [f"rank {r['rank']} {r['phases'][name]['peak_mib']:.0f} MiB ({r['phases'][name]['peak_mib'] - r['peak_mib']:+.0f})"
+                 for r in rows]
+        over = max(r["phases"][name]["peak_mib"] - r["peak_mib"] for r in rows)
+        lines.append(f"  {name:<16} {max(r['phases'][name]['seconds'] for r in rows):7.1f} s  " + ", ".join(cells)
+                     + ("  within one bucket" if over <= rows[0]["bucket_mib"] else "  OVER one bucket"))
+    lines.append(f"  python -m zero.to_fp32 --max-shard-size {args.max_shard_size}: {fp32['seconds']:.1f} s, "
+                 f"peak {fp32['peak_mib']:.0f} MiB, {fp32['files']} files ({fp32['total_gb']:.1f} GB, "
+                 f"largest {fp32['largest_file_gb']:.2f} GB)")
+    return lines
 
 
 def make_cgroup(limit_gib: float) -> str:
@@ -250,6 +336,8 @@ def summarize(args, rows: list[dict], write_rate: float, read_rate: float, cgrou
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.checkpoint and args.engine != "zero":
+        raise SystemExit("infinity: --checkpoint measures zero's checkpoints (--engine zero)")
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 16))  # freed blocks leave the resident set
     params = num_params(args)
     print(f"# infinity: {params / 1e9:.2f}B parameters, {16 * params / GB:.0f} GB of model states, {args.nproc} ranks, "
@@ -258,18 +346,25 @@ def main(argv: list[str] | None = None) -> int:
         write_rate, read_rate = disk_rates(root, args.probe_gib)
         print(f"# disk ({args.nvme_path}): write {write_rate:.2f} GB/s, read {read_rate:.2f} GB/s (dd, O_DIRECT)")
         args.root, args.out = root, os.path.join(root, "rows.json")
+        args.checkpoint_at = tempfile.mkdtemp(prefix="zero-infinity-ckpt-", dir=args.checkpoint_dir) \
+            if args.checkpoint else None
         args.cgroup = make_cgroup(args.memory_limit) if args.memory_limit else None
         try:
-            code = launch(worker, args, nproc=args.nproc, timeout_s=1800, deadline_s=7200)
+            code = launch(worker, args, nproc=args.nproc, timeout_s=1800, deadline_s=14400)
             peak = int(open(os.path.join(args.cgroup, "memory.max_usage_in_bytes")).read()) if args.cgroup else None
+            rows, fp32 = None, None
+            if code == 0:
+                with open(args.out) as f:
+                    rows = json.load(f)
+                fp32 = consolidate(args) if args.checkpoint else None
         finally:
             if args.cgroup:
                 time.sleep(0.5)
                 os.rmdir(args.cgroup)
+            if args.checkpoint_at:
+                shutil.rmtree(args.checkpoint_at)
         if code != 0:
             return code
-        with open(args.out) as f:
-            rows = json.load(f)
     print(f"{'step':>4} {'loss':>8} {'s':>8} {'read GB':>8} {'write GB':>8}")
     for i in range(args.steps):
         print(f"{i:>4} {statistics.fmean(r['steps'][i]['loss'] for r in rows):>8.4f} "
@@ -284,12 +379,17 @@ def main(argv: list[str] | None = None) -> int:
                            "measured_memory_gb": max(added) * 2**20 / GB,
                            "measured_nvme_gb": max(r["disk_nbytes"] for r in rows) / GB}
     print(f"per rank, zero.estimate vs measured: memory {summary['estimate']['memory_gb']:.2f} vs "
-          f"{summary['estimate']['measured_memory_gb']:.2f} GB (peak resident memory added by the build and training), "
+          f"{summary['estimate']['measured_memory_gb']:.2f} GB (peak resident memory added by the build and training; "
+          f"build {max(r['build_peak_mib'] - r['started_mib'] for r in rows) / 1024:.2f} GiB, "
+          f"training {max(r['train_peak_mib'] - r['started_mib'] for r in rows) / 1024:.2f} GiB), "
           f"NVMe {summary['estimate']['nvme_gb']:.2f} vs {summary['estimate']['measured_nvme_gb']:.2f} GB (swap files)")
     print(f"peak resident memory per rank (VmHWM): {[round(p) for p in summary['peak_mib']]} MiB; cgroup peak: "
           f"{summary['cgroup_peak_mib'] and round(summary['cgroup_peak_mib'])} MiB; swap files {summary['disk_gb']:.1f} GB; "
           f"build {max(r['build_s'] for r in rows):.0f} s; loss falls: {summary['loss_falls']}")
-    write_json(args.json, {"args": {k: v for k, v in vars(args).items() if k not in ("root", "out", "cgroup")},
+    if fp32:
+        summary["to_fp32"] = fp32
+        print("\n".join(checkpoint_lines(args, rows, fp32)))
+    write_json(args.json, {"args": {k: v for k, v in vars(args).items() if k not in ("root", "out", "cgroup", "checkpoint_at")},
                            "disk_gbps": {"write": write_rate, "read": read_rate}, "rows": rows, "summary": summary})
     print(f"# wrote {args.json}")
     return 0
