@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -55,6 +56,26 @@ def measured(phases: dict, name: str, fn) -> None:
     fn()
     phases[name] = {"peak_mib": status_kib("VmHWM") / 1024, "rise_mib": (status_kib("VmHWM") - start_kib) / 1024,
                     "seconds": time.perf_counter() - start}
+
+
+def consolidate(checkpoint: str, out: str, max_shard_size: str, cgroup: str | None = None) -> dict:
+    """python -m zero.to_fp32 --max-shard-size on `checkpoint`, in a process of
+    its own (joining `cgroup`, a cgroup folder, when given): its peak RSS (from
+    wait4), seconds and files."""
+    command = [sys.executable, "-m", "zero.to_fp32", checkpoint, out, "--max-shard-size", max_shard_size]
+
+    def join_cgroup() -> None:
+        with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+    start = time.perf_counter()
+    proc = subprocess.Popen(command, preexec_fn=join_cgroup if cgroup else None)
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(command)} exited with {proc.returncode}")
+    sizes = [os.path.getsize(os.path.join(out, f)) for f in sorted(os.listdir(out))]
+    return {"seconds": time.perf_counter() - start, "peak_mib": usage.ru_maxrss / 1024, "files": len(sizes),
+            "largest_file_gb": max(sizes) / 1e9, "total_gb": sum(sizes) / 1e9}
 
 
 def worker(args) -> None:

@@ -53,7 +53,7 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from launch import launch  # noqa: E402
-from checkpoint_memory import measured  # noqa: E402
+from checkpoint_memory import consolidate, measured  # noqa: E402
 from machine import cpu_model, status_kib, write_json  # noqa: E402
 
 GB = 1e9
@@ -272,30 +272,13 @@ def disk_rates(folder: str, gib: float) -> tuple[float, float]:
     return write, read
 
 
-def consolidate(args) -> dict:
-    """python -m zero.to_fp32 --max-shard-size on the checkpoint, in a process
-    of its own (in the cgroup when there is one): its peak RSS, seconds, files."""
-    out = os.path.join(args.checkpoint_at, "fp32")
-    command = [sys.executable, "-m", "zero.to_fp32", os.path.join(args.checkpoint_at, "ckpt"), out, "--max-shard-size", args.max_shard_size]
-    join = (lambda: open(os.path.join(args.cgroup, "cgroup.procs"), "w").write(str(os.getpid()))) if args.cgroup else None
-    start = time.perf_counter()
-    proc = subprocess.Popen(command, preexec_fn=join)
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode:
-        raise SystemExit(f"infinity: {' '.join(command)} exited with {proc.returncode}")
-    sizes = [os.path.getsize(os.path.join(out, f)) for f in sorted(os.listdir(out))]
-    return {"seconds": time.perf_counter() - start, "peak_mib": usage.ru_maxrss / 1024, "files": len(sizes),
-            "largest_file_gb": max(sizes) / GB, "total_gb": sum(sizes) / GB}
-
-
 def checkpoint_lines(args, rows: list[dict], fp32: dict) -> list[str]:
     lines = [f"checkpoint ({args.checkpoint_at}): peak resident memory per rank against the training peak "
              f"(allowed: one bucket, {rows[0]['bucket_mib']:.0f} MiB of fp32 master)"]
     for name in ("save_checkpoint", "load_checkpoint"):
-        cells = [f"rank {r['rank']} {r['phases'][name]['peak_mib']:.0f} MiB ({r['phases'][name]['peak_mib'] - r['peak_mib']:+.0f})"
-                 for r in rows]
-        over = max(r["phases"][name]["peak_mib"] - r["peak_mib"] for r in rows)
+        rise = [r["phases"][name]["peak_mib"] - r["train_peak_mib"] for r in rows]
+        cells = [f"rank {r['rank']} {r['phases'][name]['peak_mib']:.0f} MiB ({up:+.0f})" for r, up in zip(rows, rise)]
+        over = max(rise)
         lines.append(f"  {name:<16} {max(r['phases'][name]['seconds'] for r in rows):7.1f} s  " + ", ".join(cells)
                      + ("  within one bucket" if over <= rows[0]["bucket_mib"] else "  OVER one bucket"))
     lines.append(f"  python -m zero.to_fp32 --max-shard-size {args.max_shard_size}: {fp32['seconds']:.1f} s, "
@@ -356,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
             if code == 0:
                 with open(args.out) as f:
                     rows = json.load(f)
-                fp32 = consolidate(args) if args.checkpoint else None
+                fp32 = consolidate(os.path.join(args.checkpoint_at, "ckpt"), os.path.join(args.checkpoint_at, "fp32"),
+                                   args.max_shard_size, args.cgroup) if args.checkpoint else None
         finally:
             if args.cgroup:
                 time.sleep(0.5)
@@ -373,16 +357,20 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(args, rows, write_rate, read_rate, peak)
     print(f"step {summary['step_s']:.1f} s (median of steps 1-{args.steps - 1}), floor {summary['floor_s']:.1f} s "
           f"(compute {summary['compute_s']:.1f} s, disk {summary['disk_s']:.1f} s): {summary['step_over_floor']:.2f}x")
-    need = estimated(args)
     added = [r["peak_mib"] - r["started_mib"] for r in rows]
-    summary["estimate"] = {"memory_gb": (need.device_nbytes + need.host_nbytes) / GB, "nvme_gb": need.nvme_nbytes / GB,
-                           "measured_memory_gb": max(added) * 2**20 / GB,
-                           "measured_nvme_gb": max(r["disk_nbytes"] for r in rows) / GB}
-    print(f"per rank, zero.estimate vs measured: memory {summary['estimate']['memory_gb']:.2f} vs "
-          f"{summary['estimate']['measured_memory_gb']:.2f} GB (peak resident memory added by the build and training; "
-          f"build {max(r['build_peak_mib'] - r['started_mib'] for r in rows) / 1024:.2f} GiB, "
-          f"training {max(r['train_peak_mib'] - r['started_mib'] for r in rows) / 1024:.2f} GiB), "
-          f"NVMe {summary['estimate']['nvme_gb']:.2f} vs {summary['estimate']['measured_nvme_gb']:.2f} GB (swap files)")
+    peaks = (f"build {max(r['build_peak_mib'] - r['started_mib'] for r in rows) / 1024:.2f} GiB, "
+             f"training {max(r['train_peak_mib'] - r['started_mib'] for r in rows) / 1024:.2f} GiB")
+    if args.engine == "zero":  # the estimate is of zero's engine
+        need = estimated(args)
+        summary["estimate"] = {"memory_gb": (need.device_nbytes + need.host_nbytes) / GB,
+                               "nvme_gb": need.nvme_nbytes / GB, "measured_memory_gb": max(added) * 2**20 / GB,
+                               "measured_nvme_gb": max(r["disk_nbytes"] for r in rows) / GB}
+        print(f"per rank, zero.estimate vs measured: memory {summary['estimate']['memory_gb']:.2f} vs "
+              f"{summary['estimate']['measured_memory_gb']:.2f} GB (peak resident memory added by the build and "
+              f"training; {peaks}), NVMe {summary['estimate']['nvme_gb']:.2f} vs "
+              f"{summary['estimate']['measured_nvme_gb']:.2f} GB (swap files)")
+    else:
+        print(f"per rank, peak resident memory added: {max(added) / 1024:.2f} GiB ({peaks})")
     print(f"peak resident memory per rank (VmHWM): {[round(p) for p in summary['peak_mib']]} MiB; cgroup peak: "
           f"{summary['cgroup_peak_mib'] and round(summary['cgroup_peak_mib'])} MiB; swap files {summary['disk_gb']:.1f} GB; "
           f"build {max(r['build_s'] for r in rows):.0f} s; loss falls: {summary['loss_falls']}")
