@@ -161,7 +161,8 @@ def compute_floor_s(args, Block) -> float:
 
 
 def estimated(args):
-    """zero.estimate's bytes per rank for this run (memory_model.need: stage 3,
+    """zero.estimate's bytes per rank for this run, and its NVMe bytes read and
+    written per step (memory_model.need and nvme_traffic: stage 3,
     both offloads on NVMe, bf16, the config's NVMe sizes, DeepSpeed's default
     bucket sizes; the gather unit is a block)."""
     from zero.estimate import memory_model as mm
@@ -178,7 +179,8 @@ def estimated(args):
                         param.get("max_in_cpu", default.max_in_cpu))
     job = mm.Job(num_params(args), args.nproc, max(12 * h * h + 13 * h, args.vocab * h), 0.0, shape, True,
                  largest_param=max(4 * h * h, args.vocab * h), units=args.layers + 3, nvme=nvme)
-    return mm.need(job, mm.Plan(stage=3, offload_optimizer="nvme", offload_param="nvme", mixed_precision=True))
+    plan = mm.Plan(stage=3, offload_optimizer="nvme", offload_param="nvme", mixed_precision=True)
+    return mm.need(job, plan), mm.nvme_traffic(job, plan)
 
 
 def io_bytes() -> tuple[int, int]:
@@ -361,14 +363,17 @@ def main(argv: list[str] | None = None) -> int:
     peaks = (f"build {max(r['build_peak_mib'] - r['started_mib'] for r in rows) / 1024:.2f} GiB, "
              f"training {max(r['train_peak_mib'] - r['started_mib'] for r in rows) / 1024:.2f} GiB")
     if args.engine == "zero":  # the estimate is of zero's engine
-        need = estimated(args)
+        need, (read, written) = estimated(args)
         summary["estimate"] = {"memory_gb": (need.device_nbytes + need.host_nbytes) / GB,
                                "nvme_gb": need.nvme_nbytes / GB, "measured_memory_gb": max(added) * 2**20 / GB,
-                               "measured_nvme_gb": max(r["disk_nbytes"] for r in rows) / GB}
+                               "measured_nvme_gb": max(r["disk_nbytes"] for r in rows) / GB,
+                               "read_gb_per_step": read / GB, "write_gb_per_step": written / GB}
         print(f"per rank, zero.estimate vs measured: memory {summary['estimate']['memory_gb']:.2f} vs "
               f"{summary['estimate']['measured_memory_gb']:.2f} GB (peak resident memory added by the build and "
               f"training; {peaks}), NVMe {summary['estimate']['nvme_gb']:.2f} vs "
-              f"{summary['estimate']['measured_nvme_gb']:.2f} GB (swap files)")
+              f"{summary['estimate']['measured_nvme_gb']:.2f} GB (swap files); per step read {read / GB:.2f} vs "
+              f"{summary['read_gb_per_step'] / args.nproc:.2f} GB, written {written / GB:.2f} vs "
+              f"{summary['write_gb_per_step'] / args.nproc:.2f} GB")
     else:
         print(f"per rank, peak resident memory added: {max(added) / 1024:.2f} GiB ({peaks})")
     print(f"peak resident memory per rank (VmHWM): {[round(p) for p in summary['peak_mib']]} MiB; cgroup peak: "

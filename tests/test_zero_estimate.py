@@ -126,6 +126,21 @@ def test_nvme_staging_hand_made() -> None:
     assert written["offload_optimizer"]["pipeline_read"] and written["offload_optimizer"]["pipeline_write"]
 
 
+def test_nvme_traffic_hand_made() -> None:
+    """NVMe bytes per rank and step: the optimizer's 12 bytes per owned
+    parameter read and written; offload_param's shards written once and read
+    at each gather but for the suffix kept across the turn, per micro step."""
+    job = mm.Job(1e9, 2, largest_layer=1e8, max_reuse_distance=4e8, nvme=mm.NvmeSizes(max_in_cpu=0))
+    both = mm.Plan(stage=3, accumulation=2, offload_optimizer="nvme", offload_param="nvme", mixed_precision=True)
+    kept = (2e8 + 1e8) / 2  # half the reuse distance plus a unit, this rank's shard of it
+    assert mm.nvme_traffic(job, both) == pytest.approx((6e9 + 2 * 2 * (2 * 5e8 - kept), 6e9 + 2 * 5e8))
+    # max_in_cpu keeps 1e8 elements of shards in memory: neither read nor written
+    job = replace(job, nvme=mm.NvmeSizes(max_in_cpu=1e8))
+    assert mm.nvme_traffic(job, both) == pytest.approx((6e9 + 2 * 2 * (2 * 4e8 - kept), 6e9 + 2 * 4e8))
+    assert mm.nvme_traffic(job, mm.Plan(stage=2, offload_optimizer="nvme")) == pytest.approx((6e9, 6e9))
+    assert mm.nvme_traffic(job, replace(both, offload_optimizer="cpu", offload_param="cpu")) == (0.0, 0.0)
+
+
 def test_counts_match_deepspeed() -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs, model_to_params

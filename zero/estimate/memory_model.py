@@ -200,6 +200,29 @@ def nvme_host(num_params: float, world_size: int, stage: int, param_bytes: int, 
     return staging + kept, kept
 
 
+def nvme_traffic(job: Job, plan: Plan) -> tuple[float, float]:
+    """(read, written) bytes per rank of one optimizer step on NVMe. The
+    optimizer reads and writes each sub-group's three fp32 parts once (12
+    bytes per owned parameter); offload_param (stage 3) writes the updated
+    shards beyond max_in_cpu once and reads them at every gather, forward and
+    backward of each micro step, but for the units kept gathered across the
+    turn (comm_buffers: a suffix within half the reuse distance)."""
+    precision = MIXED if plan.mixed_precision else FP32
+    p, n = precision.param_bytes, job.world_size
+    owned = job.num_params / n if plan.stage >= 1 else job.num_params
+    read = written = 0.0
+    if plan.offload_optimizer == "nvme":
+        read, written = 12 * owned, 12 * owned
+    if plan.offload_param == "nvme" and plan.stage == 3:
+        sizes = plan.nvme or job.nvme
+        swapped = max(owned - sizes.max_in_cpu, 0.0)
+        kept = min(job.max_reuse_distance / 2 + job.largest_layer, job.num_params) / n \
+            if job.max_reuse_distance > 0 else 0.0
+        read += p * plan.accumulation * (2 * swapped - min(kept, swapped))
+        written += p * swapped
+    return read, written
+
+
 def snapshot_nbytes(num_params: float, world_size: int, stage: int, *, replicas: int = 1, slots: int = 2) -> float:
     """Shared memory per rank that the in-memory snapshots hold
     (zero/checkpoint/snapshot.py): `slots` steps of the rank's piece and of
