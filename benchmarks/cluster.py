@@ -28,6 +28,7 @@ swept the same way by the next run, found by the holders' names.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -201,9 +202,23 @@ class Cluster:
                 self._previous_sigterm = None
 
     def launch(self, argv: Sequence[str], *, nproc_per_host: int = 1, env: dict[str, str] | None = None,
-               timeout_s: float = 300.0) -> Launch:
-        """Starts torchrun in every host: `python argv...` on each of its ranks."""
-        return Launch(self, list(argv), nproc_per_host=nproc_per_host, env=env or {}, timeout_s=timeout_s)
+               timeout_s: float = 300.0, **elastic) -> Launch:
+        """Starts torchrun in every host: `python argv...` on each of its ranks;
+        `elastic`: nnodes ("MIN:MAX"), max_restarts, rdzv_conf (torchrun's)."""
+        return Launch(self, list(argv), nproc_per_host=nproc_per_host, env=env or {}, timeout_s=timeout_s, **elastic)
+
+    def lose_host(self, index: int) -> None:
+        """Host `index` is lost: every process in it is killed (SIGKILL: its
+        torchrun agent, its ranks) and its /dev/shm emptied. Its namespaces and
+        link stay, empty, for close() to remove."""
+        host = self.hosts[index]
+        for pid in host.processes():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        shm = f"/proc/{host.holder}/root/dev/shm"
+        for name in os.listdir(shm):
+            path = os.path.join(shm, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
 
     def run(self, argv: Sequence[str], **kwargs) -> list[RankResult]:
         """launch(...) and wait: every rank's exit status and output."""

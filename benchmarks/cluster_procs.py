@@ -148,7 +148,7 @@ class Launch:
     exit status to another (WRAPPER, a shell between torchrun and python)."""
 
     def __init__(self, cluster: Cluster, argv: list[str], *, nproc_per_host: int, env: dict[str, str],
-                 timeout_s: float) -> None:
+                 timeout_s: float, nnodes: str | None = None, max_restarts: int = 0, rdzv_conf: str = "") -> None:
         self.cluster, self.nproc_per_host = cluster, nproc_per_host
         self.world_size = cluster.num_hosts * nproc_per_host
         self.deadline = time.monotonic() + timeout_s
@@ -162,10 +162,11 @@ class Launch:
         endpoint = f"{cluster.hosts[0].address}:{RDZV_PORT}"
         self.agents = []
         for host in cluster.hosts:
-            command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(cluster.num_hosts),
+            command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes or str(cluster.num_hosts),
                        "--nproc-per-node", str(nproc_per_host), "--rdzv-backend", "c10d", "--rdzv-endpoint",
                        endpoint, "--rdzv-id", f"{cluster.owner}", "--local-addr", host.address, "--max-restarts",
-                       "0", "--monitor-interval", "0.1", "--no-python", "--", "sh", wrapper, sys.executable, *argv]
+                       str(max_restarts), "--monitor-interval", "0.1", *(["--rdzv-conf", rdzv_conf] if rdzv_conf else []),
+                       "--no-python", "--", "sh", wrapper, sys.executable, *argv]
             log = open(os.path.join(self.out, f"agent{host.index}.log"), "w")
             self.agents.append(subprocess.Popen(host.enter() + command, env=base, stdin=subprocess.DEVNULL,
                                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True))

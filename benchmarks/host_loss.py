@@ -1,0 +1,196 @@
+"""A host lost mid-run, on the simulated cluster (benchmarks/cluster.py): 2
+hosts x 2 ranks under torchrun --nnodes 1:2 --max-restarts 1 (c10d rendezvous
+on host 0), zero with in-memory snapshots after every optimizer step
+(config checkpoint.in_memory). After step --lose-after, once every rank's
+snapshot of it is complete, host 1 is lost: its processes (torchrun agent and
+ranks) are SIGKILLed and its /dev/shm emptied. Host 0's ranks meet the dead
+peers in their next collective and exit; host 0's torchrun restarts them, the
+rendezvous closes with host 0 alone, and the two ranks resume with
+engine.resume(): their own pieces and host 1's pieces from the buddy copies
+host 0 holds, resharded from 4 ranks to 2. They finish the run, which is then
+compared with the same schedule without a failure: 4 ranks to that step, a
+disk checkpoint, 2 ranks on a host of their own that load it and go on, on the
+same global batches (the batch of step s is seeded by s and split over the
+ranks, so its size does not change with the world). Every fp32 master and
+Adam moment must be equal, bit for bit: the snapshots reshard as the disk
+checkpoint does. (Against a run that stays on 4 ranks the differences are
+those of the world size's reduction order, ~1e-5 relative here, as two
+uninterrupted runs on 2 and on 4 ranks differ.)
+
+    python benchmarks/host_loss.py                     # stage 3, 24 steps, host 1 lost after step 8
+    python benchmarks/host_loss.py --stage 2 --steps 40 --lose-after 20
+
+Prints each attempt's resume (world size, source, steps lost), the time from
+the loss to the first resumed step, and whether the states are equal; exits 1
+when one is not. Needs root (benchmarks/cluster.py).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import json
+import os
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+GLOBAL_BATCH = 8
+# c10d rendezvous: a node whose agent stopped its keep-alives leaves after 2 x 1 s (default 3 x 5 s), and a
+# round closes 2 s after its last join once at least --nnodes MIN are in
+RDZV_CONF = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=2"
+KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stage", type=int, default=3, choices=(1, 2, 3))
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--lose-after", type=int, default=8, help="host 1 is lost after this optimizer step")
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--timeout", type=float, default=240.0, help="seconds for each torchrun launch")
+    p.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
+    p.add_argument("--lose", action="store_true", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def log_event(folder: str, event: dict) -> None:
+    with open(os.path.join(folder, "events.jsonl"), "a") as f:
+        f.write(json.dumps(event) + "\n")
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One rank of one torchrun attempt."""
+    import torch
+    import torch.distributed as dist
+
+    import ringcomm  # noqa: F401  (registers the backend)
+    import zero
+    from models import mlp
+
+    folder, attempt = args.worker, int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    dist.init_process_group("ringcomm", timeout=datetime.timedelta(seconds=30))
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    micro = GLOBAL_BATCH // world_size
+    config = {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": micro,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": args.stage}, "checkpoint": {"in_memory": {"enabled": True}}}
+    engine, *_ = zero.initialize(model=mlp(args.layers, args.width), config=config)
+    engine.resume(os.path.join(folder, "ckpt"))  # nothing on the first attempt
+    log_event(folder, {"attempt": attempt, "rank": rank, "world_size": world_size, "resumed": time.time(),
+                       "resumed_from": engine.global_steps, "source": engine.resumed.source,
+                       "lost": engine.resumed.lost})
+    step = engine.global_steps
+    while step < args.steps:
+        batch = torch.randn(GLOBAL_BATCH, args.width, generator=torch.Generator().manual_seed(step))
+        x = batch[rank * micro:(rank + 1) * micro]
+        engine.backward((engine(x) - x).square().mean())
+        engine.step()
+        step += 1
+        if args.lose and attempt == 0 and step == args.lose_after:
+            engine.parts.snapshots.wait()  # this step's snapshot complete here, and its copy sent
+            open(os.path.join(folder, f"ready{rank}"), "w").close()
+            while not os.path.exists(os.path.join(folder, "lost")):  # host 1 is lost meanwhile
+                time.sleep(0.01)
+    engine.save_checkpoint(os.path.join(folder, "ckpt"), tag="final")
+    engine.parts.snapshots.remove()
+    dist.destroy_process_group()
+
+
+def consolidated(folder: str) -> dict:
+    """Every parameter's fp32 master and Adam moments, whole, from the final
+    checkpoint's shard files (whatever the world size that wrote them)."""
+    import torch
+
+    from zero.checkpoint.tensorfile import SafetensorsReader
+
+    whole: dict = {}
+    for path in sorted(glob.glob(os.path.join(folder, "ckpt", "final", "zero_shards_*.safetensors"))):
+        with SafetensorsReader(path) as reader:
+            for name, offset, numel, _ in json.loads(reader.metadata["shards"]):
+                for kind in KINDS:
+                    key = f"{name}:{offset}:{kind}"
+                    if key in reader.specs:
+                        out = whole.setdefault((name, kind), {})
+                        out[offset] = reader.read(key, torch.empty(numel, dtype=torch.float32))
+    return {key: torch.cat([parts[o] for o in sorted(parts)]) for key, parts in whole.items()}
+
+
+def run(cluster, args: argparse.Namespace, folder: str, lose: bool) -> list[dict]:
+    """One torchrun launch over the cluster; with `lose`, host 1 is lost after
+    --lose-after. Returns the events the ranks logged (and the loss's time)."""
+    argv = [os.path.abspath(__file__), "--worker", folder, "--stage", str(args.stage), "--steps", str(args.steps),
+            "--lose-after", str(args.lose_after), "--width", str(args.width), "--layers", str(args.layers)]
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # README, "Reliability": restarts across hosts
+    events = []
+    with cluster.launch(argv + (["--lose"] if lose else []), nproc_per_host=2, env=env, timeout_s=args.timeout,
+                        nnodes="1:2", max_restarts=1, rdzv_conf=RDZV_CONF) as launched:
+        if not lose:
+            failed = [r for r in launched.wait() if r.returncode != 0]
+            if failed:
+                raise SystemExit(f"host_loss: the uninterrupted run's ranks failed: {failed}")
+        else:
+            while not all(os.path.exists(os.path.join(folder, f"ready{r}")) for r in range(4)):
+                if time.monotonic() > launched.deadline:
+                    raise SystemExit(f"host_loss: the ranks never reached step {args.lose_after} ({launched.out})")
+                time.sleep(0.01)
+            cluster.lose_host(1)
+            events.append({"lost_at": time.time()})
+            open(os.path.join(folder, "lost"), "w").close()
+            agent = launched.agents[0]  # the ranks' own files are rewritten by each attempt: wait for torchrun
+            code = agent.wait(timeout=max(launched.deadline - time.monotonic(), 1))
+            if code != 0:
+                with open(os.path.join(launched.out, "agent0.log")) as f:
+                    raise SystemExit(f"host_loss: host 0's torchrun exited with {code}:\n{f.read()[-3000:]}")
+    with open(os.path.join(folder, "events.jsonl")) as f:
+        return events + [json.loads(line) for line in f]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    import torch
+
+    from cluster import Cluster
+
+    with tempfile.TemporaryDirectory(prefix="host-loss-") as root:
+        lost, reference = os.path.join(root, "lost"), os.path.join(root, "reference")
+        os.makedirs(lost)
+        os.makedirs(reference)
+        with Cluster(2) as cluster:
+            events = run(cluster, args, lost, lose=True)
+            # the reference takes the same schedule without a failure: 4 ranks to the loss's step, a disk
+            # checkpoint, then 2 ranks on a host of their own load it (resharded) and go on
+            run(cluster, argparse.Namespace(**{**vars(args), "steps": args.lose_after}), reference, lose=False)
+        with Cluster(1) as one:
+            run(one, args, reference, lose=False)
+        ours, theirs = consolidated(lost), consolidated(reference)
+    lost_at = events[0]["lost_at"]
+    print(f"zero stage {args.stage}, 2 hosts x 2 ranks, {args.steps} steps, host 1 lost after step {args.lose_after}")
+    for e in events[1:]:
+        print(f"  attempt {e['attempt']} rank {e['rank']}: world {e['world_size']}, resumed from step "
+              f"{e['resumed_from']} ({e['source']}, {e['lost']} steps lost)"
+              + (f", {e['resumed'] - lost_at:.1f} s after the loss" if e["attempt"] > 0 else ""))
+    resumes = [e for e in events[1:] if e["attempt"] > 0]
+    if not resumes or any(e["world_size"] != 2 or e["source"] != "memory" or e["lost"] > 1 for e in resumes):
+        print("the survivors did not resume on 2 ranks from memory with at most 1 step lost")
+        return 1
+    if set(ours) != set(theirs):
+        print(f"the runs' tensors differ: {sorted(set(ours) ^ set(theirs))[:5]}")
+        return 1
+    differ = [f"{name} {kind}" for (name, kind) in sorted(ours) if not torch.equal(ours[name, kind], theirs[name, kind])]
+    print(f"{len(ours)} tensors (fp32 masters, Adam's moments) against the same schedule without a failure "
+          f"(4 ranks, a disk checkpoint at step {args.lose_after}, 2 ranks): "
+          + (f"{len(differ)} differ: {differ[:4]}" if differ else "all equal, bit for bit"))
+    return 1 if differ else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
