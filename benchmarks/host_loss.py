@@ -1,28 +1,33 @@
-"""A host lost mid-run, on the simulated cluster (benchmarks/cluster.py): 2
-hosts x 2 ranks under torchrun --nnodes 1:2 --max-restarts 1 (c10d rendezvous
-on host 0), zero with in-memory snapshots after every optimizer step
-(config checkpoint.in_memory). After step --lose-after, once every rank's
-snapshot of it is complete, host 1 is lost: its processes (torchrun agent and
-ranks) are SIGKILLed and its /dev/shm emptied. Host 0's ranks meet the dead
-peers in their next collective and exit; host 0's torchrun restarts them, the
-rendezvous closes with host 0 alone, and the two ranks resume with
-engine.resume(): their own pieces and host 1's pieces from the buddy copies
-host 0 holds, resharded from 4 ranks to 2. They finish the run, which is then
-compared with the same schedule without a failure: 4 ranks to that step, a
-disk checkpoint, 2 ranks on a host of their own that load it and go on, on the
-same global batches (the batch of step s is seeded by s and split over the
-ranks, so its size does not change with the world). Every fp32 master and
-Adam moment must be equal, bit for bit: the snapshots reshard as the disk
-checkpoint does. (Against a run that stays on 4 ranks the differences are
-those of the world size's reduction order, ~1e-5 relative here, as two
+"""Ranks and a host lost mid-run, on the simulated cluster (benchmarks/cluster.py):
+2 hosts x 2 ranks under torchrun --nnodes 1:2 --max-restarts (c10d
+rendezvous on host 0), zero with in-memory snapshots after every optimizer
+step (config checkpoint.in_memory). First --rank-kills single ranks are
+SIGKILLed at random steps (seeded), right after a step (its snapshot still
+in flight: that step is lost) or once the step's snapshot is complete; each
+time torchrun restarts every rank and they resume with engine.resume(). Then,
+after step --lose-after, once every rank's snapshot of it is complete, host 1
+is lost: its processes (torchrun agent and ranks) are SIGKILLed and its
+/dev/shm emptied. Host 0's ranks meet the dead peers in their next collective
+and exit; host 0's torchrun restarts them, the rendezvous closes with host 0
+alone, and the two ranks resume from their own pieces and host 1's pieces
+from the buddy copies host 0 holds, resharded from 4 ranks to 2, and finish.
+The result is compared with the same schedule without a failure: 4 ranks to
+that step, a disk checkpoint, 2 ranks on a host of their own that load it and
+go on, on the same global batches (the batch of step s is seeded by s and
+split over the ranks, so its size does not change with the world). Every
+fp32 master and Adam moment must be equal, bit for bit: a lost step is
+recomputed from the same state and batch, and the snapshots reshard as the
+disk checkpoint does. (Against a run that stays on 4 ranks the differences
+are those of the world size's reduction order, ~1e-5 relative here, as two
 uninterrupted runs on 2 and on 4 ranks differ.)
 
-    python benchmarks/host_loss.py                     # stage 3, 24 steps, host 1 lost after step 8
-    python benchmarks/host_loss.py --stage 2 --steps 40 --lose-after 20
+    python benchmarks/host_loss.py                     # stage 3, 200 steps, 3 rank kills, host 1 lost after 150
+    python benchmarks/host_loss.py --stage 2 --rank-kills 0 --steps 24 --lose-after 8
 
-Prints each attempt's resume (world size, source, steps lost), the time from
-the loss to the first resumed step, and whether the states are equal; exits 1
-when one is not. Needs root (benchmarks/cluster.py).
+Prints each failure with the resume that followed (world size, source, steps
+lost, the pieces each saved rank came from, seconds from the death to the
+resume) and whether the states are equal; exits 1 when a resume was not from
+memory with at most 1 step lost, or a state differs. Needs root.
 """
 from __future__ import annotations
 
@@ -31,6 +36,8 @@ import datetime
 import glob
 import json
 import os
+import random
+import signal
 import sys
 import tempfile
 import time
@@ -49,8 +56,10 @@ KINDS = ("master", "exp_avg", "exp_avg_sq")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stage", type=int, default=3, choices=(1, 2, 3))
-    p.add_argument("--steps", type=int, default=24)
-    p.add_argument("--lose-after", type=int, default=8, help="host 1 is lost after this optimizer step")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--lose-after", type=int, default=150, help="host 1 is lost after this optimizer step")
+    p.add_argument("--rank-kills", type=int, default=3, help="single ranks SIGKILLed at random steps before")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--timeout", type=float, default=240.0, help="seconds for each torchrun launch")
@@ -74,6 +83,8 @@ def worker(args: argparse.Namespace) -> None:
     from models import mlp
 
     folder, attempt = args.worker, int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    with open(os.path.join(folder, "plan.json")) as f:
+        plan = json.load(f) if args.lose else []
     dist.init_process_group("ringcomm", timeout=datetime.timedelta(seconds=30))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     micro = GLOBAL_BATCH // world_size
@@ -84,7 +95,7 @@ def worker(args: argparse.Namespace) -> None:
     engine.resume(os.path.join(folder, "ckpt"))  # nothing on the first attempt
     log_event(folder, {"attempt": attempt, "rank": rank, "world_size": world_size, "resumed": time.time(),
                        "resumed_from": engine.global_steps, "source": engine.resumed.source,
-                       "lost": engine.resumed.lost})
+                       "lost": engine.resumed.lost, "pieces": {str(k): v for k, v in engine.resumed.pieces.items()}})
     step = engine.global_steps
     while step < args.steps:
         batch = torch.randn(GLOBAL_BATCH, args.width, generator=torch.Generator().manual_seed(step))
@@ -92,7 +103,14 @@ def worker(args: argparse.Namespace) -> None:
         engine.backward((engine(x) - x).square().mean())
         engine.step()
         step += 1
-        if args.lose and attempt == 0 and step == args.lose_after:
+        kill = next((k for i, k in enumerate(plan) if not os.path.exists(os.path.join(folder, f"killed{i}"))), None)
+        if kill is not None and (kill["rank"], kill["step"]) == (rank, step):
+            if kill["when"] == "after_snapshot":
+                engine.parts.snapshots.wait()
+            log_event(folder, {"attempt": attempt, "rank": rank, "died": time.time(), "step": step})
+            open(os.path.join(folder, f"killed{plan.index(kill)}"), "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)  # "in_step": this step's snapshot still in flight
+        if args.lose and kill is None and step == args.lose_after:
             engine.parts.snapshots.wait()  # this step's snapshot complete here, and its copy sent
             open(os.path.join(folder, f"ready{rank}"), "w").close()
             while not os.path.exists(os.path.join(folder, "lost")):  # host 1 is lost meanwhile
@@ -127,9 +145,14 @@ def run(cluster, args: argparse.Namespace, folder: str, lose: bool) -> list[dict
     argv = [os.path.abspath(__file__), "--worker", folder, "--stage", str(args.stage), "--steps", str(args.steps),
             "--lose-after", str(args.lose_after), "--width", str(args.width), "--layers", str(args.layers)]
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # README, "Reliability": restarts across hosts
+    rng = random.Random(args.seed)
+    steps = sorted(rng.sample(range(2, args.lose_after - 1, 3), args.rank_kills)) if lose else []
+    with open(os.path.join(folder, "plan.json"), "w") as f:
+        json.dump([{"step": st, "rank": rng.randrange(4), "when": rng.choice(("after_snapshot", "in_step"))}
+                   for st in steps], f)
     events = []
     with cluster.launch(argv + (["--lose"] if lose else []), nproc_per_host=2, env=env, timeout_s=args.timeout,
-                        nnodes="1:2", max_restarts=1, rdzv_conf=RDZV_CONF) as launched:
+                        nnodes="1:2", max_restarts=2 * args.rank_kills + 2, rdzv_conf=RDZV_CONF) as launched:
         if not lose:
             failed = [r for r in launched.wait() if r.returncode != 0]
             if failed:
@@ -172,15 +195,20 @@ def main(argv: list[str] | None = None) -> int:
         with Cluster(1) as one:
             run(one, args, reference, lose=False)
         ours, theirs = consolidated(lost), consolidated(reference)
-    lost_at = events[0]["lost_at"]
-    print(f"zero stage {args.stage}, 2 hosts x 2 ranks, {args.steps} steps, host 1 lost after step {args.lose_after}")
-    for e in events[1:]:
-        print(f"  attempt {e['attempt']} rank {e['rank']}: world {e['world_size']}, resumed from step "
-              f"{e['resumed_from']} ({e['source']}, {e['lost']} steps lost)"
-              + (f", {e['resumed'] - lost_at:.1f} s after the loss" if e["attempt"] > 0 else ""))
-    resumes = [e for e in events[1:] if e["attempt"] > 0]
-    if not resumes or any(e["world_size"] != 2 or e["source"] != "memory" or e["lost"] > 1 for e in resumes):
-        print("the survivors did not resume on 2 ranks from memory with at most 1 step lost")
+    deaths = sorted([(e["died"], f"rank {e['rank']} SIGKILLed after step {e['step']}") for e in events if "died" in e]
+                    + [(e["lost_at"], f"host 1 lost after step {args.lose_after}") for e in events if "lost_at" in e])
+    print(f"zero stage {args.stage}, 2 hosts x 2 ranks, {args.steps} steps, a snapshot after every step")
+    resumes = [e for e in events if "resumed" in e and e["resumed"] > deaths[0][0]]
+    for when, what in deaths:
+        after = [e for e in resumes if e["resumed"] > when and all(not when < t < e["resumed"] for t, _ in deaths)]
+        print(f"  {what}: " + "; ".join(sorted({f"{len(after)} ranks resumed from step {e['resumed_from']} (world "
+                                                f"{e['world_size']}, {e['source']}, {e['lost']} lost)" for e in after}))
+              + (f", {max(e['resumed'] for e in after) - when:.1f} s after" if after else ""))
+        first = min(after, key=lambda e: e["rank"], default=None)
+        if first is not None:  # the saved ranks' pieces, as rank 0 found them
+            print("    pieces: " + ", ".join(f"rank {r} {how}" for r, how in sorted(first["pieces"].items())))
+    if any(e["source"] != "memory" or e["lost"] > 1 for e in resumes) or resumes[-1]["world_size"] != 2:
+        print("a resume did not come from memory with at most 1 step lost, or the run did not end on 2 ranks")
         return 1
     if set(ours) != set(theirs):
         print(f"the runs' tensors differ: {sorted(set(ours) ^ set(theirs))[:5]}")
