@@ -49,8 +49,9 @@ def memory_cgroup() -> tuple[str, int, int] | None:
     memory controller (memory.limit_in_bytes, memory.usage_in_bytes) or v2's
     unified hierarchy (memory.max, memory.current). The usage leaves out the
     page cache (file pages, active and inactive): the kernel reclaims it
-    before it kills a process of the cgroup (a swap file's pages or the
-    libraries' make room), so what counts is anonymous and shared memory."""
+    before it kills a process of the cgroup (a swap file's cached pages and
+    the libraries' mapped ones make room), so what counts is anonymous and
+    shared memory."""
     found = memory_cgroup_folder()
     if found is None:
         return None
