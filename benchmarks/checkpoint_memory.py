@@ -15,6 +15,7 @@ VmHWM (absolute) and its rise over the RSS at the phase's start. Writes JSON.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -27,7 +28,7 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from launch import launch  # noqa: E402
-from machine import status_kib, write_json  # noqa: E402
+from machine import join_cgroup, reset_peak, status_kib, write_json  # noqa: E402
 
 MIB = 2**20
 
@@ -50,8 +51,7 @@ def measured(phases: dict, name: str, fn) -> None:
     """Runs fn as phase `name`: its peak RSS, its rise over the RSS at its start, its time."""
     import torch.distributed as dist
     dist.barrier()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
+    reset_peak()
     start_kib, start = status_kib("VmRSS"), time.perf_counter()
     fn()
     phases[name] = {"peak_mib": status_kib("VmHWM") / 1024, "rise_mib": (status_kib("VmHWM") - start_kib) / 1024,
@@ -63,12 +63,8 @@ def consolidate(checkpoint: str, out: str, max_shard_size: str, cgroup: str | No
     its own (joining `cgroup`, a cgroup folder, when given): its peak RSS (from
     wait4), seconds and files."""
     command = [sys.executable, "-m", "zero.to_fp32", checkpoint, out, "--max-shard-size", max_shard_size]
-
-    def join_cgroup() -> None:
-        with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
-            f.write(str(os.getpid()))
     start = time.perf_counter()
-    proc = subprocess.Popen(command, preexec_fn=join_cgroup if cgroup else None)
+    proc = subprocess.Popen(command, preexec_fn=functools.partial(join_cgroup, cgroup) if cgroup else None)
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode:

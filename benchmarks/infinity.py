@@ -40,10 +40,8 @@ import dataclasses
 import json
 import math
 import os
-import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -54,7 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from launch import launch  # noqa: E402
 from checkpoint_memory import consolidate, measured  # noqa: E402
-from machine import cpu_model, status_kib, write_json  # noqa: E402
+from machine import cpu_model, disk_rates, io_bytes, join_cgroup, reset_peak, status_kib, write_json  # noqa: E402
 
 GB = 1e9
 
@@ -183,45 +181,28 @@ def estimated(args):
     return mm.need(job, plan), mm.nvme_traffic(job, plan)
 
 
-def io_bytes() -> tuple[int, int]:
-    with open("/proc/self/io") as f:
-        fields = dict(line.split(": ") for line in f.read().splitlines())
-    return int(fields["read_bytes"]), int(fields["write_bytes"])
-
-
-def worker(args) -> None:
+def build(args, GPT, nvme_path: str):
+    """The model under the engine's Init, straight into the swap files, and its engine."""
     import torch
-    import torch.distributed as dist
 
-    import zero
-
-    warnings.simplefilter("ignore")  # DeepSpeed's deprecation warnings, once per collective
     if args.engine == "deepspeed":
         import deepspeed
         init, initialize = deepspeed.zero.Init, deepspeed.initialize
     else:
+        import zero
         init, initialize = zero.Init, zero.initialize
-    rank = dist.get_rank()
-    if args.cgroup:
-        with open(os.path.join(args.cgroup, "cgroup.procs"), "w") as f:
-            f.write(str(os.getpid()))
-    GPT, Block = make_model(args)
-    compute_s = compute_floor_s(args, Block)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS: the peak from here is the build's and training's
-    started_kib = status_kib("VmRSS")
-    nvme_path = os.path.join(args.root, f"rank{rank}")
-    os.makedirs(nvme_path, exist_ok=True)
     cfg = config(args, nvme_path)
-    build = time.perf_counter()
     with init(config_dict_or_path=cfg):
         torch.manual_seed(0)
         model = GPT()
     engine, *_ = initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    build_s = time.perf_counter() - build
-    build_peak_kib = status_kib("VmHWM")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # the training's own peak from here
+    return engine
+
+
+def train(args, engine, rank: int) -> list[dict]:
+    """--steps steps on this rank's fixed sequence: loss, seconds, bytes read and written."""
+    import torch
+
     tokens = torch.randint(args.vocab, (1, args.seq + 1), generator=torch.Generator().manual_seed(rank))
     steps = []
     for _ in range(args.steps):
@@ -234,6 +215,27 @@ def worker(args) -> None:
         seconds = time.perf_counter() - start
         read1, write1 = io_bytes()
         steps.append({"loss": loss.item(), "s": seconds, "read": read1 - read0, "write": write1 - write0})
+    return steps
+
+
+def worker(args) -> None:
+    import torch.distributed as dist
+
+    warnings.simplefilter("ignore")  # DeepSpeed's deprecation warnings, once per collective
+    rank = dist.get_rank()
+    if args.cgroup:
+        join_cgroup(args.cgroup)
+    GPT, Block = make_model(args)
+    compute_s = compute_floor_s(args, Block)
+    reset_peak()  # the peak from here is the build's and training's
+    started_kib = status_kib("VmRSS")
+    nvme_path = os.path.join(args.root, f"rank{rank}")
+    os.makedirs(nvme_path, exist_ok=True)
+    start = time.perf_counter()
+    engine = build(args, GPT, nvme_path)
+    build_s, build_peak_kib = time.perf_counter() - start, status_kib("VmHWM")
+    reset_peak()  # the training's own peak from here
+    steps = train(args, engine, rank)
     row = {"rank": rank, "steps": steps, "compute_s": compute_s, "build_s": build_s,
            "build_peak_mib": build_peak_kib / 1024, "train_peak_mib": status_kib("VmHWM") / 1024,
            "peak_mib": max(build_peak_kib, status_kib("VmHWM")) / 1024, "started_mib": started_kib / 1024}
@@ -253,25 +255,6 @@ def worker(args) -> None:
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(rows, f)
-
-
-def dd_rate(command: list[str]) -> float:
-    """GB/s as dd reports it."""
-    out = subprocess.run(command, check=True, capture_output=True, text=True).stderr
-    match = re.search(r"(\d+) bytes .* copied, ([\d.]+) s", out)
-    return int(match[1]) / float(match[2]) / GB
-
-
-def disk_rates(folder: str, gib: float) -> tuple[float, float]:
-    """The disk's sequential (write, read) rate in GB/s, O_DIRECT, 8 MiB requests."""
-    path = os.path.join(folder, "probe")
-    count = max(int(gib * 128), 1)
-    try:
-        write = dd_rate(["dd", "if=/dev/zero", f"of={path}", "bs=8M", f"count={count}", "oflag=direct", "conv=fsync"])
-        read = dd_rate(["dd", f"if={path}", "of=/dev/null", "bs=8M", "iflag=direct"])
-    finally:
-        os.unlink(path)
-    return write, read
 
 
 def checkpoint_lines(args, rows: list[dict], fp32: dict) -> list[str]:
@@ -319,6 +302,57 @@ def summarize(args, rows: list[dict], write_rate: float, read_rate: float, cgrou
             "peak_mib": [r["peak_mib"] for r in rows], "cgroup_peak_mib": cgroup_peak and cgroup_peak / 2**20}
 
 
+def run(args) -> tuple[int, dict]:
+    """Probes the disk, runs the ranks (in the cgroup, when asked) and, with
+    --checkpoint, the consolidation; (exit code, what they measured)."""
+    with tempfile.TemporaryDirectory(prefix="zero-infinity-", dir=args.nvme_path) as root:
+        write_rate, read_rate = disk_rates(root, args.probe_gib)
+        print(f"# disk ({args.nvme_path}): write {write_rate:.2f} GB/s, read {read_rate:.2f} GB/s (dd, O_DIRECT)")
+        args.root, args.out = root, os.path.join(root, "rows.json")
+        args.checkpoint_at = tempfile.mkdtemp(prefix="zero-infinity-ckpt-", dir=args.checkpoint_dir) \
+            if args.checkpoint else None
+        args.cgroup = make_cgroup(args.memory_limit) if args.memory_limit else None
+        got = {"write_rate": write_rate, "read_rate": read_rate, "rows": None, "peak": None, "fp32": None}
+        try:
+            code = launch(worker, args, nproc=args.nproc, timeout_s=1800, deadline_s=14400)
+            if args.cgroup:
+                got["peak"] = int(open(os.path.join(args.cgroup, "memory.max_usage_in_bytes")).read())
+            if code == 0:
+                with open(args.out) as f:
+                    got["rows"] = json.load(f)
+                if args.checkpoint:
+                    got["fp32"] = consolidate(os.path.join(args.checkpoint_at, "ckpt"),
+                                                    os.path.join(args.checkpoint_at, "fp32"), args.max_shard_size,
+                                                    args.cgroup)
+        finally:
+            if args.cgroup:
+                time.sleep(0.5)
+                os.rmdir(args.cgroup)
+            if args.checkpoint_at:
+                shutil.rmtree(args.checkpoint_at)
+    return code, got
+
+
+def memory_line(args, rows: list[dict], summary: dict) -> str:
+    """The peak memory the build and training added per rank; for zero's engine
+    against zero.estimate, with the NVMe bytes and traffic (into summary)."""
+    added = [r["peak_mib"] - r["started_mib"] for r in rows]
+    peaks = (f"build {max(r['build_peak_mib'] - r['started_mib'] for r in rows) / 1024:.2f} GiB, "
+             f"training {max(r['train_peak_mib'] - r['started_mib'] for r in rows) / 1024:.2f} GiB")
+    if args.engine != "zero":  # the estimate is of zero's engine
+        return f"per rank, peak resident memory added: {max(added) / 1024:.2f} GiB ({peaks})"
+    need, (read, written) = estimated(args)
+    est = summary["estimate"] = {"memory_gb": (need.device_nbytes + need.host_nbytes) / GB,
+                                 "nvme_gb": need.nvme_nbytes / GB, "gotmemory_gb": max(added) * 2**20 / GB,
+                                 "gotnvme_gb": max(r["disk_nbytes"] for r in rows) / GB,
+                                 "read_gb_per_step": read / GB, "write_gb_per_step": written / GB}
+    return (f"per rank, zero.estimate vs measured: memory {est['memory_gb']:.2f} vs {est['gotmemory_gb']:.2f} GB "
+            f"(peak resident memory added by the build and training; {peaks}), NVMe {est['nvme_gb']:.2f} vs "
+            f"{est['gotnvme_gb']:.2f} GB (swap files); per step read {read / GB:.2f} vs "
+            f"{summary['read_gb_per_step'] / args.nproc:.2f} GB, written {written / GB:.2f} vs "
+            f"{summary['write_gb_per_step'] / args.nproc:.2f} GB")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.checkpoint and args.engine != "zero":
@@ -327,63 +361,28 @@ def main(argv: list[str] | None = None) -> int:
     params = num_params(args)
     print(f"# infinity: {params / 1e9:.2f}B parameters, {16 * params / GB:.0f} GB of model states, {args.nproc} ranks, "
           f"seq {args.seq}; {cpu_model()}; {os.cpu_count()} cpus; loadavg {open('/proc/loadavg').read().split()[:3]}")
-    with tempfile.TemporaryDirectory(prefix="zero-infinity-", dir=args.nvme_path) as root:
-        write_rate, read_rate = disk_rates(root, args.probe_gib)
-        print(f"# disk ({args.nvme_path}): write {write_rate:.2f} GB/s, read {read_rate:.2f} GB/s (dd, O_DIRECT)")
-        args.root, args.out = root, os.path.join(root, "rows.json")
-        args.checkpoint_at = tempfile.mkdtemp(prefix="zero-infinity-ckpt-", dir=args.checkpoint_dir) \
-            if args.checkpoint else None
-        args.cgroup = make_cgroup(args.memory_limit) if args.memory_limit else None
-        try:
-            code = launch(worker, args, nproc=args.nproc, timeout_s=1800, deadline_s=14400)
-            peak = int(open(os.path.join(args.cgroup, "memory.max_usage_in_bytes")).read()) if args.cgroup else None
-            rows, fp32 = None, None
-            if code == 0:
-                with open(args.out) as f:
-                    rows = json.load(f)
-                fp32 = consolidate(os.path.join(args.checkpoint_at, "ckpt"), os.path.join(args.checkpoint_at, "fp32"),
-                                   args.max_shard_size, args.cgroup) if args.checkpoint else None
-        finally:
-            if args.cgroup:
-                time.sleep(0.5)
-                os.rmdir(args.cgroup)
-            if args.checkpoint_at:
-                shutil.rmtree(args.checkpoint_at)
-        if code != 0:
-            return code
+    code, got = run(args)
+    if code != 0:
+        return code
+    rows = got["rows"]
     print(f"{'step':>4} {'loss':>8} {'s':>8} {'read GB':>8} {'write GB':>8}")
     for i in range(args.steps):
         print(f"{i:>4} {statistics.fmean(r['steps'][i]['loss'] for r in rows):>8.4f} "
               f"{max(r['steps'][i]['s'] for r in rows):>8.2f} {sum(r['steps'][i]['read'] for r in rows) / GB:>8.2f} "
               f"{sum(r['steps'][i]['write'] for r in rows) / GB:>8.2f}")
-    summary = summarize(args, rows, write_rate, read_rate, peak)
+    summary = summarize(args, rows, got["write_rate"], got["read_rate"], got["peak"])
     print(f"step {summary['step_s']:.1f} s (median of steps 1-{args.steps - 1}), floor {summary['floor_s']:.1f} s "
           f"(compute {summary['compute_s']:.1f} s, disk {summary['disk_s']:.1f} s): {summary['step_over_floor']:.2f}x")
-    added = [r["peak_mib"] - r["started_mib"] for r in rows]
-    peaks = (f"build {max(r['build_peak_mib'] - r['started_mib'] for r in rows) / 1024:.2f} GiB, "
-             f"training {max(r['train_peak_mib'] - r['started_mib'] for r in rows) / 1024:.2f} GiB")
-    if args.engine == "zero":  # the estimate is of zero's engine
-        need, (read, written) = estimated(args)
-        summary["estimate"] = {"memory_gb": (need.device_nbytes + need.host_nbytes) / GB,
-                               "nvme_gb": need.nvme_nbytes / GB, "measured_memory_gb": max(added) * 2**20 / GB,
-                               "measured_nvme_gb": max(r["disk_nbytes"] for r in rows) / GB,
-                               "read_gb_per_step": read / GB, "write_gb_per_step": written / GB}
-        print(f"per rank, zero.estimate vs measured: memory {summary['estimate']['memory_gb']:.2f} vs "
-              f"{summary['estimate']['measured_memory_gb']:.2f} GB (peak resident memory added by the build and "
-              f"training; {peaks}), NVMe {summary['estimate']['nvme_gb']:.2f} vs "
-              f"{summary['estimate']['measured_nvme_gb']:.2f} GB (swap files); per step read {read / GB:.2f} vs "
-              f"{summary['read_gb_per_step'] / args.nproc:.2f} GB, written {written / GB:.2f} vs "
-              f"{summary['write_gb_per_step'] / args.nproc:.2f} GB")
-    else:
-        print(f"per rank, peak resident memory added: {max(added) / 1024:.2f} GiB ({peaks})")
+    print(memory_line(args, rows, summary))
     print(f"peak resident memory per rank (VmHWM): {[round(p) for p in summary['peak_mib']]} MiB; cgroup peak: "
           f"{summary['cgroup_peak_mib'] and round(summary['cgroup_peak_mib'])} MiB; swap files {summary['disk_gb']:.1f} GB; "
           f"build {max(r['build_s'] for r in rows):.0f} s; loss falls: {summary['loss_falls']}")
-    if fp32:
-        summary["to_fp32"] = fp32
-        print("\n".join(checkpoint_lines(args, rows, fp32)))
+    if got["fp32"]:
+        summary["to_fp32"] = got["fp32"]
+        print("\n".join(checkpoint_lines(args, rows, got["fp32"])))
     write_json(args.json, {"args": {k: v for k, v in vars(args).items() if k not in ("root", "out", "cgroup", "checkpoint_at")},
-                           "disk_gbps": {"write": write_rate, "read": read_rate}, "rows": rows, "summary": summary})
+                           "disk_gbps": {"write": got["write_rate"], "read": got["read_rate"]}, "rows": rows,
+                           "summary": summary})
     print(f"# wrote {args.json}")
     return 0
 

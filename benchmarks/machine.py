@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
+import subprocess
 
 
 def write_json(path: str, report: object) -> None:
@@ -37,6 +39,18 @@ def cpu_line() -> str:
             f"(built for {march}: {', '.join(found.built)}; this CPU runs {', '.join(found.supported)})")
 
 
+def join_cgroup(folder: str) -> None:
+    """Moves this process into the cgroup `folder` (root)."""
+    with open(os.path.join(folder, "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
+
+
+def reset_peak() -> None:
+    """VmHWM := VmRSS: the peak resident memory from here on."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def status_kib(field: str) -> int:
     """A kB field of /proc/self/status (VmRSS, VmHWM, ...)."""
     with open("/proc/self/status") as f:
@@ -44,3 +58,29 @@ def status_kib(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def io_bytes() -> tuple[int, int]:
+    """Bytes this process has read from and written to storage (/proc/self/io)."""
+    with open("/proc/self/io") as f:
+        fields = dict(line.split(": ") for line in f.read().splitlines())
+    return int(fields["read_bytes"]), int(fields["write_bytes"])
+
+
+def dd_rate(command: list[str]) -> float:
+    """GB/s as dd reports it."""
+    out = subprocess.run(command, check=True, capture_output=True, text=True).stderr
+    match = re.search(r"(\d+) bytes .* copied, ([\d.]+) s", out)
+    return int(match[1]) / float(match[2]) / 1e9
+
+
+def disk_rates(folder: str, gib: float) -> tuple[float, float]:
+    """The disk's sequential (write, read) rate in GB/s, O_DIRECT, 8 MiB requests."""
+    path = os.path.join(folder, "probe")
+    count = max(int(gib * 128), 1)
+    try:
+        write = dd_rate(["dd", "if=/dev/zero", f"of={path}", "bs=8M", f"count={count}", "oflag=direct", "conv=fsync"])
+        read = dd_rate(["dd", f"if={path}", "of=/dev/null", "bs=8M", "iflag=direct"])
+    finally:
+        os.unlink(path)
+    return write, read
