@@ -1,7 +1,8 @@
 """Ranks and a host lost mid-run, on the simulated cluster (benchmarks/cluster.py):
 2 hosts x 2 ranks under torchrun --nnodes 1:2 --max-restarts (c10d
-rendezvous on host 0), zero with in-memory snapshots after every optimizer
-step (config checkpoint.in_memory). First --rank-kills single ranks are
+rendezvous on host 0) train a small GPT-2 (transformers' GPT2LMHeadModel,
+--layers, --width, no dropout) with zero and in-memory snapshots after every
+optimizer step (config checkpoint.in_memory). First --rank-kills single ranks are
 SIGKILLed at random steps (seeded), right after a step (its snapshot still
 in flight: that step is lost) or once the step's snapshot is complete; each
 time torchrun restarts every rank and they resume with engine.resume(). Then,
@@ -27,7 +28,8 @@ uninterrupted runs on 2 and on 4 ranks differ.)
 Prints each failure with the resume that followed (world size, source, steps
 lost, the pieces each saved rank came from, seconds from the death to the
 resume) and whether the states are equal; exits 1 when a resume was not from
-memory with at most 1 step lost, or a state differs. Needs root.
+memory with at most 1 step lost, or a state differs. Needs root (the
+cluster) and transformers (in the test extra: pip install -e ".[test]").
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-GLOBAL_BATCH = 8
+GLOBAL_BATCH, SEQ, VOCAB = 8, 32, 512  # a small GPT-2 (transformers), no dropout
 # c10d rendezvous: a node whose agent stopped its keep-alives leaves after 2 x 1 s (default 3 x 5 s), and a
 # round closes 2 s after its last join once at least --nnodes MIN are in
 RDZV_CONF = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=2"
@@ -60,8 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lose-after", type=int, default=150, help="host 1 is lost after this optimizer step")
     p.add_argument("--rank-kills", type=int, default=3, help="single ranks SIGKILLed at random steps before")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--width", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--width", type=int, default=128, help="the GPT-2's hidden size")
+    p.add_argument("--layers", type=int, default=2)
     p.add_argument("--timeout", type=float, default=240.0, help="seconds for each torchrun launch")
     p.add_argument("--worker", metavar="DIR", help=argparse.SUPPRESS)
     p.add_argument("--lose", action="store_true", help=argparse.SUPPRESS)
@@ -80,7 +82,7 @@ def worker(args: argparse.Namespace) -> None:
 
     import ringcomm  # noqa: F401  (registers the backend)
     import zero
-    from models import mlp
+    from transformers import GPT2Config, GPT2LMHeadModel
 
     folder, attempt = args.worker, int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     with open(os.path.join(folder, "plan.json")) as f:
@@ -91,16 +93,20 @@ def worker(args: argparse.Namespace) -> None:
     config = {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": micro,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
               "zero_optimization": {"stage": args.stage}, "checkpoint": {"in_memory": {"enabled": True}}}
-    engine, *_ = zero.initialize(model=mlp(args.layers, args.width), config=config)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=max(1, args.width // 64),
+                                       n_positions=SEQ, vocab_size=VOCAB, resid_pdrop=0.0, embd_pdrop=0.0,
+                                       attn_pdrop=0.0))
+    engine, *_ = zero.initialize(model=model, config=config)
     engine.resume(os.path.join(folder, "ckpt"))  # nothing on the first attempt
     log_event(folder, {"attempt": attempt, "rank": rank, "world_size": world_size, "resumed": time.time(),
                        "resumed_from": engine.global_steps, "source": engine.resumed.source,
                        "lost": engine.resumed.lost, "pieces": {str(k): v for k, v in engine.resumed.pieces.items()}})
     step = engine.global_steps
     while step < args.steps:
-        batch = torch.randn(GLOBAL_BATCH, args.width, generator=torch.Generator().manual_seed(step))
-        x = batch[rank * micro:(rank + 1) * micro]
-        engine.backward((engine(x) - x).square().mean())
+        batch = torch.randint(VOCAB, (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(step))
+        ids = batch[rank * micro:(rank + 1) * micro]
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
         engine.step()
         step += 1
         kill = next((k for i, k in enumerate(plan) if not os.path.exists(os.path.join(folder, f"killed{i}"))), None)
