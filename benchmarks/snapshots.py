@@ -11,7 +11,9 @@ Prints per stage the median step (after --warmup steps: the first, and the
 first two snapshots, which allocate their slots in /dev/shm) with snapshots and
 without, their ratio per round and its median and range, and the shared
 memory the snapshots hold per rank: measured (memory_report().snapshot_nbytes,
-the files in /dev/shm) against zero.estimate's snapshot_nbytes. Writes
+the files in /dev/shm) against zero.estimate's snapshot_nbytes, and where a
+snapshot's time goes (PARTS: the median per timed step of each part of
+zero/checkpoint/snapshot.py, in the step or on its thread). Writes
 bench-results/snapshots.json.
 """
 from __future__ import annotations
@@ -30,6 +32,36 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 from launch import launch  # noqa: E402
 from machine import cpu_line, write_json  # noqa: E402
+
+
+# The parts of a snapshot timed in the runs with snapshots: (label, module, owner, function)
+PARTS = (("take, in the step", "snapshot", "Snapshots", "take"),
+         ("  copy into the slot", "tensorfile", "MappedSafetensors", "copy"),
+         ("checksums (thread)", "tensorfile", "MappedSafetensors", "checksum"),
+         ("buddy's copy (thread)", "snapshot", "Snapshots", "_exchange"),
+         ("piece.json (thread)", "snapshot", None, "write_piece_json"))
+
+
+def time_parts() -> dict[str, list[float]]:
+    """Wraps each of PARTS in a timer; returns the lists each call appends its seconds to."""
+    import functools
+    import importlib
+
+    times: dict[str, list[float]] = {}
+    for label, module_name, owner_name, name in PARTS:
+        module = importlib.import_module(f"zero.checkpoint.{module_name}")
+        owner = getattr(module, owner_name) if owner_name else module
+        function, calls = getattr(owner, name), times.setdefault(label, [])
+
+        @functools.wraps(function)
+        def timed(*args, _function=function, _calls=calls, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _function(*args, **kwargs)
+            finally:
+                _calls.append(time.perf_counter() - start)
+        setattr(owner, name, timed)
+    return times
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -67,6 +99,7 @@ def worker(args: argparse.Namespace) -> None:
     num_params = sum(p.numel() for p in model.parameters())
     config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": int(stage)}}
+    parts = time_parts() if snapshots == "on" else {}
     if snapshots == "on":
         config["checkpoint"] = {"in_memory": {"enabled": True, "path": out + ".shm"}}
     with warnings.catch_warnings():
@@ -85,7 +118,8 @@ def worker(args: argparse.Namespace) -> None:
         engine.parts.snapshots.wait()
     result = {"rank": rank, "num_params": num_params, "times": times[args.warmup:], "warmup": times[:args.warmup],
               "snapshot_nbytes": engine.memory_report().snapshot_nbytes,
-              "estimate_nbytes": snapshot_nbytes(num_params, world_size, int(stage))}
+              "estimate_nbytes": snapshot_nbytes(num_params, world_size, int(stage)),
+              "parts": {label: calls[args.warmup:args.steps] for label, calls in parts.items()}}
     with open(f"{out}.rank{rank}", "w") as f:
         json.dump(result, f)
     engine.destroy()
@@ -110,6 +144,14 @@ def step_time(results: list[dict]) -> float:
     return statistics.median(max(steps) for steps in zip(*(r["times"] for r in results)))
 
 
+def print_parts(rows: dict[int, list[dict]]) -> None:
+    """Where a snapshot's time goes: each part's median ms per timed step (both ranks, every round)."""
+    print("\nper rank and step, ms (median)" + "".join(f"{f'stage {stage}':>10}" for stage in rows))
+    for label, *_ in PARTS:
+        print(f"{label:<30}" + "".join(f"{statistics.median(r['parts_s'][label] for r in stage_rows) * 1e3:>10.0f}"
+                                       for stage_rows in rows.values()))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.case:
@@ -125,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
                 on = run_case(args, stage, "on", folder)
                 row = {"round": round_, "off_s": step_time(off), "on_s": step_time(on),
                        "snapshot_nbytes": [r["snapshot_nbytes"] for r in on],
-                       "estimate_nbytes": on[0]["estimate_nbytes"], "num_params": on[0]["num_params"]}
+                       "estimate_nbytes": on[0]["estimate_nbytes"], "num_params": on[0]["num_params"],
+                       "parts_s": {label: statistics.median(t for r in on for t in r["parts"][label])
+                                   for label, *_ in PARTS}}
                 rows[stage].append(row)
                 print(f"round {round_} stage {stage}: step {row['off_s'] * 1e3:.0f} ms without snapshots, "
                       f"{row['on_s'] * 1e3:.0f} ms with: {row['on_s'] / row['off_s']:.3f}x", flush=True)
@@ -142,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{statistics.median(r['on_s'] for r in stage_rows) * 1e3:>10.0f} {statistics.median(ratios):>12.3f} "
               f"{min(ratios):>6.3f}-{max(ratios):<6.3f} {measured / 2**20:>15.1f} "
               f"{stage_rows[0]['estimate_nbytes'] / 2**20:>15.1f}")
+    print_parts(rows)
     write_json(args.json, {"args": vars(args), "cpu": cpu_line(), "rows": rows, "summary": summary})
     return 0
 
