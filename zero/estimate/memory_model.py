@@ -140,6 +140,13 @@ class Buffers(NamedTuple):
         return self.gradient_nbytes + self.gathered_nbytes
 
 
+def kept_for_backward(num_params: float, largest_layer: float, max_reuse_distance: float) -> float:
+    """Stage 3's gathered elements kept from forward for backward at the turn:
+    a suffix within half the reuse distance, at most that plus one unit
+    ([Note: reuse distance] in ringcomm/plan/gathers.py); none without reuse."""
+    return min(max_reuse_distance / 2 + largest_layer, num_params) if max_reuse_distance > 0 else 0.0
+
+
 def comm_buffers(num_params: float, stage: int, param_bytes: int, *, reduce_bucket_size: float,
                  prefetch_bucket_size: float, max_live_parameters: float, largest_layer: float,
                  max_reuse_distance: float = 0) -> Buffers:
@@ -157,7 +164,7 @@ def comm_buffers(num_params: float, stage: int, param_bytes: int, *, reduce_buck
         gradient = min(reduce_bucket_size, num_params) * param_bytes
     if stage == 3:
         gradient = min(largest_layer, num_params) * param_bytes
-        kept = min(max_reuse_distance / 2 + largest_layer, num_params) if max_reuse_distance > 0 else 0
+        kept = kept_for_backward(num_params, largest_layer, max_reuse_distance)
         in_use = max(kept, largest_layer + prefetch_bucket_size)
         gathered = min(max_live_parameters, in_use, num_params) * param_bytes
     return Buffers(gradient, gathered)
@@ -216,8 +223,7 @@ def nvme_traffic(job: Job, plan: Plan) -> tuple[float, float]:
     if plan.offload_param == "nvme" and plan.stage == 3:
         sizes = plan.nvme or job.nvme
         swapped = max(owned - sizes.max_in_cpu, 0.0)
-        kept = min(job.max_reuse_distance / 2 + job.largest_layer, job.num_params) / n \
-            if job.max_reuse_distance > 0 else 0.0
+        kept = kept_for_backward(job.num_params, job.largest_layer, job.max_reuse_distance) / n
         read += p * plan.accumulation * (2 * swapped - min(kept, swapped))
         written += p * swapped
     return read, written
