@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import glob
 import json
 import os
 import random
@@ -128,21 +127,18 @@ def worker(args: argparse.Namespace) -> None:
 
 def consolidated(folder: str) -> dict:
     """Every parameter's fp32 master and Adam moments, whole, from the final
-    checkpoint's shard files (whatever the world size that wrote them)."""
-    import torch
+    checkpoint (whatever the world size that wrote it), read as a resume reads
+    it (zero.checkpoint.format.SavedShards: manifest and checksums checked)."""
+    from zero.checkpoint.format import SavedShards, read_engine_state, read_manifest
 
-    from zero.checkpoint.tensorfile import SafetensorsReader
-
-    whole: dict = {}
-    for path in sorted(glob.glob(os.path.join(folder, "ckpt", "final", "zero_shards_*.safetensors"))):
-        with SafetensorsReader(path) as reader:
-            for name, offset, numel, _ in json.loads(reader.metadata["shards"]):
-                for kind in KINDS:
-                    key = f"{name}:{offset}:{kind}"
-                    if key in reader.specs:
-                        out = whole.setdefault((name, kind), {})
-                        out[offset] = reader.read(key, torch.empty(numel, dtype=torch.float32))
-    return {key: torch.cat([parts[o] for o in sorted(parts)]) for key, parts in whole.items()}
+    directory = os.path.join(folder, "ckpt", "final")
+    manifest = read_manifest(directory)
+    saved = SavedShards(directory, read_engine_state(directory, manifest)["world_size"], manifest)
+    try:
+        sizes = {name: max(s.offset + s.numel for _, s in shards) for name, shards in saved.by_name.items()}
+        return {(name, kind): saved.state(name, 0, numel, kind) for name, numel in sizes.items() for kind in KINDS}
+    finally:
+        saved.close()
 
 
 def run(cluster, args: argparse.Namespace, folder: str, lose: bool) -> list[dict]:
