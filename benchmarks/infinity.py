@@ -322,8 +322,8 @@ def run(args) -> tuple[int, dict]:
                     got["rows"] = json.load(f)
                 if args.checkpoint:
                     got["fp32"] = consolidate(os.path.join(args.checkpoint_at, "ckpt"),
-                                                    os.path.join(args.checkpoint_at, "fp32"), args.max_shard_size,
-                                                    args.cgroup)
+                                              os.path.join(args.checkpoint_at, "fp32"), args.max_shard_size,
+                                              args.cgroup)
         finally:
             if args.cgroup:
                 time.sleep(0.5)
@@ -343,12 +343,12 @@ def memory_line(args, rows: list[dict], summary: dict) -> str:
         return f"per rank, peak resident memory added: {max(added) / 1024:.2f} GiB ({peaks})"
     need, (read, written) = estimated(args)
     est = summary["estimate"] = {"memory_gb": (need.device_nbytes + need.host_nbytes) / GB,
-                                 "nvme_gb": need.nvme_nbytes / GB, "gotmemory_gb": max(added) * 2**20 / GB,
-                                 "gotnvme_gb": max(r["disk_nbytes"] for r in rows) / GB,
+                                 "nvme_gb": need.nvme_nbytes / GB, "measured_memory_gb": max(added) * 2**20 / GB,
+                                 "measured_nvme_gb": max(r["disk_nbytes"] for r in rows) / GB,
                                  "read_gb_per_step": read / GB, "write_gb_per_step": written / GB}
-    return (f"per rank, zero.estimate vs measured: memory {est['memory_gb']:.2f} vs {est['gotmemory_gb']:.2f} GB "
+    return (f"per rank, zero.estimate vs measured: memory {est['memory_gb']:.2f} vs {est['measured_memory_gb']:.2f} GB "
             f"(peak resident memory added by the build and training; {peaks}), NVMe {est['nvme_gb']:.2f} vs "
-            f"{est['gotnvme_gb']:.2f} GB (swap files); per step read {read / GB:.2f} vs "
+            f"{est['measured_nvme_gb']:.2f} GB (swap files); per step read {read / GB:.2f} vs "
             f"{summary['read_gb_per_step'] / args.nproc:.2f} GB, written {written / GB:.2f} vs "
             f"{summary['write_gb_per_step'] / args.nproc:.2f} GB")
 
