@@ -103,6 +103,7 @@ def installed_wheel(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # the first test to use installed_wheel builds it (its setup counts): ~4 minutes on a busy CI
 def test_wheel_installs_and_runs_outside_the_checkout(installed_wheel, tmp_path):
     python = installed_wheel
     purelib = Path(run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=tmp_path,
@@ -135,6 +136,7 @@ EMULATED_CPUS = {"Haswell": "avx2", "Nehalem": "default"}
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # the wheel's build, if first, and the emulated CPU's run (up to 900 s)
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="emulates x86-64 CPUs")
 @pytest.mark.skipif(shutil.which("qemu-x86_64") is None,
                     reason="qemu-x86_64 not installed (Debian's qemu-user; .ci/run installs it)")
