@@ -36,6 +36,7 @@ u = torch.full((3,), float(attempt)); ringcomm.all_reduce(u, group=group)
 assert store_agree("restart test", 20, None) == []
 assert t.tolist() == [3.0] * 3 and u.tolist() == [2.0 * attempt] * 3, (t, u)
 open(os.path.join(marks, f"attempt{attempt}_rank{rank}"), "w").close()
+dist.barrier()  # every rank has marked this attempt before one dies (torchrun then stops the others at once)
 if attempt < restarts and rank == attempt % world_size:
     os.kill(os.getpid(), signal.SIGKILL)
 dist.barrier()  # survivors of a kill wait here until torchrun stops them
