@@ -93,6 +93,13 @@ def runs(tmp_path_factory) -> dict[str, tuple[str, list[dict]]]:
     return out
 
 
+def busbw_column(printed: str) -> list[float]:
+    """The busbw_avg (Gbps) of each row of log_summary's table (its rows are indented; 0B rows left out)."""
+    table = [line.split() for line in printed.split("Breakdown")[0].splitlines()
+             if line.startswith(" " * 20) and not line.strip().startswith("0B")]
+    return [float(row[-1]) for row in table]
+
+
 @needs_deepspeed
 @pytest.mark.slow
 def test_log_summary_lists_the_ops_deepspeed_lists(runs) -> None:
@@ -104,11 +111,10 @@ def test_log_summary_lists_the_ops_deepspeed_lists(runs) -> None:
     for engine, result in (("zero", ours), ("deepspeed", theirs)):
         assert "Comm. Op" in result["printed"] and "busbw_avg (Gbps)" in result["printed"], engine
         assert "Breakdown with straggler effect" in result["printed"], engine
-    table = [line.split() for line in ours["printed"].split("Breakdown")[0].splitlines()
-             if line.startswith(" " * 20) and not line.strip().startswith("0B")]
-    busbw = [float(row[-1]) for row in table]
-    # Gbps on one host: none negative or absurd, the bigger messages well above zero (8 B rounds to 0.00)
-    assert busbw and all(0 <= value < 1e4 for value in busbw) and max(busbw) > 0.1, table
+    busbw = busbw_column(ours["printed"])
+    # Gbps on one host: none negative or absurd, the bigger messages above zero (8 B rounds to 0.00). How far above
+    # is the machine's load's (quiet 1.1, a busy CI run 0.06); milliseconds taken for seconds would print 0.00.
+    assert busbw and all(0 <= value < 1e4 for value in busbw) and max(busbw) > 0, ours["printed"]
     with open(os.path.join(runs["zero"][0], "summary.txt"), "w") as out:  # for a person to compare
         out.write(ours["printed"] + "\n---- deepspeed ----\n" + theirs["printed"])
 
