@@ -1,5 +1,5 @@
 """DeepSpeed as the tests run it: the CPU accelerator, without the JIT build of
-its shared-memory comm op, and the one answer to which dtypes its engine accepts
+its shared-memory comm op, its CPU optimizer ops built without debug info, and the one answer to which dtypes its engine accepts
 on this CPU. The comm op serves only DeepSpeed's inference all-reduce
 (training never calls it) and costs ~45 s of compiling on 2 cores; a build
 killed by a test's timeout leaves torch's build lock behind, and every later
@@ -12,15 +12,29 @@ import sys
 
 DTYPES = ("fp32", "bf16", "fp16")
 # what torch's oneDNN needs of the CPU for each half type (its mkldnn_check_low_precision messages)
+EXTENSIONS_DIR = os.path.join(os.path.expanduser("~"), ".cache", "ringcomm-tests", "torch_extensions")
 ONEDNN_NEEDS = {"fp16": "AVX512-FP16 or AVX-NE-CONVERT", "bf16": "AVX512BW/VL/DQ or AVX-NE-CONVERT"}
 
 
 def import_deepspeed():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # the tests' builds of DeepSpeed's CPU ops (FusedAdam, DeepSpeedCPUAdam): in a folder of their own (unless
+    # TORCH_EXTENSIONS_DIR names one), compiled without -g: debug info is a quarter of each compile (45 -> 34
+    # CPU-s per source, 4 sources) and changes no instruction. Every process that imports DeepSpeed here builds
+    # with the same flags, so none rebuilds another's, nor a benchmark's in torch's default folder.
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", EXTENSIONS_DIR)
     import deepspeed
     import deepspeed.comm.torch  # noqa: F401  (deepspeed.comm.torch as a name is the torch package)
+    from deepspeed.ops.op_builder.cpu.builder import CPUOpBuilder
 
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    if not getattr(CPUOpBuilder.cxx_args, "without_debug_info", False):
+        cxx_args = CPUOpBuilder.cxx_args
+
+        def without_debug_info(self) -> list[str]:
+            return [arg for arg in cxx_args(self) if arg != "-g"]
+        without_debug_info.without_debug_info = True
+        CPUOpBuilder.cxx_args = without_debug_info
     return deepspeed
 
 
