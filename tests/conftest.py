@@ -12,7 +12,7 @@ LONGEST = ("test_zero_zeropp", "test_zero_infinity", "test_wheel", "test_zero_de
 
 def pytest_collection_modifyitems(config, items) -> None:
     """The longest files first, then the other files with slow tests, then the rest: with
-    pytest-xdist (`-n 4 --dist loadfile`) the long files start at once and the short ones fill
+    pytest-xdist (`-n 2 --dist loadfile`) the long files start at once and the short ones fill
     in after them, instead of a long one starting last and running alone."""
     slow_modules = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
 
