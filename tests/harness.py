@@ -14,7 +14,10 @@ from collections.abc import Callable
 from datetime import timedelta
 
 _CONTEXT = mp.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "ringcomm"])
+# Imported once per test process, in the server the ranks fork from, instead of once per rank:
+# torch._dynamo is imported by the first torch.optim optimizer a process makes (1.7 CPU-s here),
+# zero's engine by zero.initialize (0.3 CPU-s more).
+_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "ringcomm", "zero.runtime.build"])
 
 
 def _worker(fn: Callable, rank: int, world_size: int, init_file: str, args: tuple, env: dict, conn) -> None:
