@@ -1,9 +1,10 @@
 """DeepSpeed as the tests run it: the CPU accelerator, without the JIT build of
-its shared-memory comm op, its CPU optimizer ops built without debug info, and the one answer to which dtypes its engine accepts
-on this CPU. The comm op serves only DeepSpeed's inference all-reduce
-(training never calls it) and costs ~45 s of compiling on 2 cores; a build
-killed by a test's timeout leaves torch's build lock behind, and every later
-DeepSpeed start waits on it forever."""
+its shared-memory comm op, its CPU optimizer ops built without debug info, and
+the one answer to which dtypes its engine accepts on this CPU. The comm op
+serves only DeepSpeed's inference all-reduce (training never calls it) and
+costs ~45 s of compiling on 2 cores; a build killed by a test's timeout leaves
+torch's build lock behind, and every later DeepSpeed start waits on it
+forever."""
 from __future__ import annotations
 
 import functools
@@ -11,8 +12,8 @@ import os
 import sys
 
 DTYPES = ("fp32", "bf16", "fp16")
-# what torch's oneDNN needs of the CPU for each half type (its mkldnn_check_low_precision messages)
 EXTENSIONS_DIR = os.path.join(os.path.expanduser("~"), ".cache", "ringcomm-tests", "torch_extensions")
+# what torch's oneDNN needs of the CPU for each half type (its mkldnn_check_low_precision messages)
 ONEDNN_NEEDS = {"fp16": "AVX512-FP16 or AVX-NE-CONVERT", "bf16": "AVX512BW/VL/DQ or AVX-NE-CONVERT"}
 
 

@@ -113,7 +113,7 @@ def test_log_summary_lists_the_ops_deepspeed_lists(runs) -> None:
         assert "Breakdown with straggler effect" in result["printed"], engine
     busbw = busbw_column(ours["printed"])
     # Gbps on one host: none negative or absurd, the bigger messages above zero (8 B rounds to 0.00). How far above
-    # is the machine's load's (quiet 1.1, a busy CI run 0.06); milliseconds taken for seconds would print 0.00.
+    # is the machine's load's (quiet 1.1, a busy CI run 0.06); latencies logged 1000x too long print 0.00.
     assert busbw and all(0 <= value < 1e4 for value in busbw) and max(busbw) > 0, ours["printed"]
     with open(os.path.join(runs["zero"][0], "summary.txt"), "w") as out:  # for a person to compare
         out.write(ours["printed"] + "\n---- deepspeed ----\n" + theirs["printed"])
