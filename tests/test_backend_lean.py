@@ -18,7 +18,8 @@ import ringcomm  # noqa: F401  (registers the backend)
 from ringcomm import _C
 from ringcomm.comm import aliasing, collectives
 from ringcomm.backend.work import BackendWork, FinishedWork, accelerated_redop, takes
-from ringcomm.core.ops import ReduceOp
+from ringcomm.core import compat
+from ringcomm.core.ops import DTYPE_CODES, ReduceOp
 from ringcomm.backend.process_group import ProcessGroupRingcomm
 
 cpp_work = torch._C._distributed_c10d._create_work_from_future  # a C++ reader of a torch future
@@ -180,6 +181,56 @@ def test_lean_check_refuses_what_the_general_path_must_do(group) -> None:
         _C.all_reduce_tensor(handle, dense, sum_)
     group._group.lean_handle = None  # what Group.run sets while work is queued
     assert not collectives.lean_all_reduce(dense, sum_, group._group), "the lean path ran while work was queued"
+
+
+@pytest.fixture(params=["dlpack", "attributes"])
+def reader(request):
+    """The lean calls read tensors through DLPack's exchange function (recent
+    torch) or, where torch has none, through seven of their attributes."""
+    by_dlpack = request.param == "dlpack"
+    if by_dlpack and not _C._lean_reads_by_dlpack():
+        pytest.skip(f"torch {torch.__version__} has no __dlpack_c_exchange_api__")
+    _C._lean_setup(torch.Tensor, torch.strided, DTYPE_CODES, *compat.profiler_flag(), dlpack=by_dlpack)
+    assert _C._lean_reads_by_dlpack() == by_dlpack
+    yield request.param
+    _C._lean_setup(torch.Tensor, torch.strided, DTYPE_CODES, *compat.profiler_flag())
+
+
+def described_by_torch(tensor: object) -> tuple | None:
+    """What torch's own attributes say a lean call may take, as _lean_read
+    gives it: (dtype code, data address, nbytes), or None."""
+    if type(tensor) is not torch.Tensor or tensor.layout != torch.strided or not tensor.is_cpu:
+        return None
+    if tensor.is_nested or tensor.dtype not in DTYPE_CODES or not tensor.is_contiguous():
+        return None
+    return DTYPE_CODES[tensor.dtype], tensor.data_ptr(), tensor.nbytes
+
+
+def tensors_to_read() -> dict[str, object]:
+    matrix = torch.arange(24.0).view(4, 6)
+    dtypes = (*DTYPE_CODES, torch.int8, torch.uint8, torch.int16, torch.bool, torch.complex64, torch.float8_e4m3fn)
+    return {
+        "1-D": torch.ones(6), "0-D": torch.tensor(3.0), "empty": torch.empty(0), "empty 2-D": torch.empty(0, 3),
+        "empty, a transpose's strides": torch.empty(0, 3).t(), "offset view": matrix.view(-1)[5:11],
+        "rows": matrix[1:3], "a column": matrix[:, 2:3], "transposed": matrix.t(), "every other": matrix.view(-1)[::2],
+        "size-1 dimension of any stride": matrix[2:3].t(),  # shape (6, 1), strides (1, 6): contiguous
+        "expanded": torch.ones(1, 3).expand(4, 3), "channels last": torch.ones(2, 3, 4, 5).to(memory_format=torch.channels_last),
+        "requires grad": torch.ones(4, requires_grad=True),
+        **{str(dtype): torch.ones(4).to(dtype) for dtype in dtypes},
+        "sparse COO": torch.ones(6).to_sparse(), "sparse CSR": torch.ones(2, 3).to_sparse_csr(),
+        "meta": torch.ones(6, device="meta"), "nested": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+        "mkldnn": torch.ones(4).to_mkldnn(), "subclass": torch.nn.Parameter(torch.ones(4)), "not a tensor": [1.0],
+    }
+
+
+def test_lean_reads_tensors_as_torch_describes_them(reader) -> None:
+    """Either reader takes exactly what torch's attributes call a plain dense
+    contiguous CPU tensor of a ringcomm dtype, at its data address and size."""
+    cases = tensors_to_read()
+    for what, tensor in cases.items():
+        assert _C._lean_read(tensor) == described_by_torch(tensor), f"{reader} reader, {what}"
+    taken = [what for what, tensor in cases.items() if described_by_torch(tensor) is not None]
+    assert {"0-D", "empty, a transpose's strides", "offset view", "size-1 dimension of any stride"} <= set(taken)
 
 
 def test_lean_reduce_ops() -> None:

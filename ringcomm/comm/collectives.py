@@ -31,40 +31,36 @@ def lean_all_reduce(tensor: object, op: ReduceOp, group: Group) -> bool:
     """In place: `tensor` becomes its reduction over the group, here and now,
     when the call may take the lean path; False sends it down the checked one."""
     handle = group.lean_handle
-    if handle is None:
-        return False
     try:
-        return _C.all_reduce_tensor(handle, tensor, op, group.timeout_s)
-    except _C.CallMismatch as err:  # the lean path runs on shm only
-        raise group.failed(None, group.transport.mismatch_error(err, "all_reduce")) from None
+        return handle is not None and _C.all_reduce_tensor(handle, tensor, op, group.timeout_s)
     except Exception as err:
-        raise group.failed(None, err) from None
+        raise lean_failed(err, group, "all_reduce") from None
 
 
 def lean_reduce_scatter(output: object, input: object, op: ReduceOp, group: Group) -> bool:
     """reduce_scatter (torch's reduce_scatter_tensor) on the lean path, if it may take it."""
     handle = group.lean_handle
-    if handle is None:
-        return False
     try:
-        return _C.reduce_scatter_tensors(handle, output, input, op, group.timeout_s)
-    except _C.CallMismatch as err:  # the lean path runs on shm only
-        raise group.failed(None, group.transport.mismatch_error(err, "reduce_scatter")) from None
+        return handle is not None and _C.reduce_scatter_tensors(handle, output, input, op, group.timeout_s)
     except Exception as err:
-        raise group.failed(None, err) from None
+        raise lean_failed(err, group, "reduce_scatter") from None
 
 
 def lean_all_gather(output: object, input: object, group: Group) -> bool:
     """all_gather (torch's all_gather_into_tensor) on the lean path, if it may take it."""
     handle = group.lean_handle
-    if handle is None:
-        return False
     try:
-        return _C.all_gather_tensors(handle, output, input, group.timeout_s)
-    except _C.CallMismatch as err:  # the lean path runs on shm only
-        raise group.failed(None, group.transport.mismatch_error(err, "all_gather")) from None
+        return handle is not None and _C.all_gather_tensors(handle, output, input, group.timeout_s)
     except Exception as err:
-        raise group.failed(None, err) from None
+        raise lean_failed(err, group, "all_gather") from None
+
+
+def lean_failed(err: Exception, group: Group, op: str) -> Exception:
+    """What a failed lean call raises: the group's error for it (a CallMismatch
+    worded in the caller's units; the lean path runs on shm only)."""
+    if isinstance(err, _C.CallMismatch):
+        err = group.transport.mismatch_error(err, op)
+    return group.failed(None, err)
 
 
 def _check(op: str, name: str, tensor: object, group: Group) -> None:
