@@ -6,6 +6,7 @@ thread, and the calls it refuses still take the general path. Results against
 gloo on many ranks: test_backend.py and test_aliasing.py, which run through it."""
 from __future__ import annotations
 
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -17,7 +18,7 @@ from torch.distributed.distributed_c10d import AllgatherOptions
 import ringcomm  # noqa: F401  (registers the backend)
 from ringcomm import _C
 from ringcomm.comm import aliasing, collectives
-from ringcomm.backend.work import BackendWork, FinishedWork, accelerated_redop, takes
+from ringcomm.backend.work import BackendWork, FinishedWork, FinishedWorks, accelerated_redop, takes
 from ringcomm.core import compat
 from ringcomm.core.ops import DTYPE_CODES, ReduceOp
 from ringcomm.backend.process_group import ProcessGroupRingcomm
@@ -231,6 +232,31 @@ def test_lean_reads_tensors_as_torch_describes_them(reader) -> None:
         assert _C._lean_read(tensor) == described_by_torch(tensor), f"{reader} reader, {what}"
     taken = [what for what, tensor in cases.items() if described_by_torch(tensor) is not None]
     assert {"0-D", "empty, a transpose's strides", "offset view", "size-1 dimension of any stride"} <= set(taken)
+
+
+def test_finished_works_are_reused_only_when_no_one_else_holds_them() -> None:
+    """[Note: reused finished works]: a Work held by Python, or by C++ (torch's
+    work registry), keeps its value and its future; one no one holds is the next
+    call's Work."""
+    works = FinishedWorks()
+    first, second, third = [torch.ones(1)], [torch.ones(2)], [torch.ones(3)]
+    held = works(first)
+    future = held.get_future()
+    other = works(second)
+    assert other is not held and held.result() is first and future.wait() is first
+    released = weakref.ref(other)
+    del other
+    reused = works(third)
+    assert reused is released(), "a Work no one held was not reused"
+    assert reused.result() is third and reused.get_future().wait() is third
+    assert held.result() is first and future.wait() is first
+    registered = torch.ones(4)
+    torch._C._distributed_c10d._register_work(registered, reused)  # what functional collectives do
+    in_registry = weakref.ref(reused)
+    del reused
+    fresh = works(first)
+    assert fresh is not in_registry() and in_registry().result() is third, "reused a Work the registry holds"
+    torch.ops._c10d_functional.wait_tensor(registered)  # waits on it and drops it from the registry
 
 
 def test_lean_reduce_ops() -> None:

@@ -19,7 +19,7 @@ from ..observe import profiling
 from . import ops as backend_ops, p2p as backend_p2p
 from .forwarding import ForwardingGloo
 from .registration import BACKEND_NAME
-from .work import (accelerated_redop, accelerates, backend_work, finished_work, is_async, on_cuda, takes,
+from .work import (FinishedWorks, accelerated_redop, accelerates, backend_work, is_async, on_cuda, takes,
                    use_comm_thread, wait_forwarded)
 
 STORE_PREFIX = "ringcomm-backend/"
@@ -89,6 +89,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         self._transport = self._group.transport  # a group keeps its transport
         self._supports = self._transport.supports  # the lean path's check
         self._p2p = self._transport.p2p or backend_p2p.ForwardedPointToPoint(self._gloo, rank, self._timeout_s)
+        self._finished = FinishedWorks()  # the Works of inline calls ([Note: reused finished works])
 
     # ---- names (FSDP2's DeviceMesh resolves groups by name) ----
     def getBackendName(self) -> str:
@@ -112,7 +113,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         redop = accelerated_redop(opts)
         if (redop is not None and len(tensors) == 1 and self._may_run_lean(opts)
                 and collectives.lean_all_reduce(tensors[0], redop, self._group)):
-            return finished_work(tensors)
+            return self._finished(tensors)
         if redop is None or not self._accelerates(tensors, strided=True):
             return self._forward("allreduce", tensors, lambda b: b.allreduce(tensors, opts), opts, inputs=tensors)
         return self._run("allreduce", backend_ops.all_reduce(self._transport, tensors, redop), opts, tensors,
@@ -152,7 +153,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> dist.Work:
         if (isinstance(opts, AllgatherOptions) and self._may_run_lean(opts)
                 and collectives.lean_all_gather(output, input, self._group)):
-            return finished_work([output])
+            return self._finished([output])
         return self.all_gather_single_coalesced([output], [input], opts)
 
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
@@ -183,7 +184,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         if isinstance(opts, dist.ReduceScatterOptions) and self._may_run_lean(opts):
             redop = accelerated_redop(opts)
             if redop is not None and collectives.lean_reduce_scatter(output, input, redop, self._group):
-                return finished_work([output])
+                return self._finished([output])
         return self.reduce_scatter_single_coalesced([output], [input], opts)
 
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
@@ -311,7 +312,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         """_run for a transport call of the lean path: when it would run inline
         and the group takes lean calls, Group.run_lean runs it, else _run."""
         if self._may_run_lean(opts) and self._group.run_lean(op, fn, inputs, value):
-            return finished_work(value)
+            return self._finished(value)
         return self._run(op, fn, opts, value, inputs=inputs)
 
     def _forward(self, op: str, tensors: Sequence[torch.Tensor], call: Callable[[dist.ProcessGroup], dist.Work],
