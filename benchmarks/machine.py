@@ -30,13 +30,16 @@ def cpu_model() -> str:
 
 
 def cpu_line() -> str:
-    """One header line: the CPU, the kernels in use, what was built and what this CPU runs."""
+    """One header line: the CPU and one core's caches, the kernels in use, what was
+    built and what this CPU runs."""
     import ringcomm
+    from ringcomm.core.host import cache_nbytes
 
     found = ringcomm.cpu_capabilities()
     march = f"-march={found.march}" if found.march else "the compiler's default"
-    return (f"cpu {cpu_model()} ({platform.machine()}); ringcomm kernels: {found.active} "
-            f"(built for {march}: {', '.join(found.built)}; this CPU runs {', '.join(found.supported)})")
+    caches = ", ".join(f"L{level} {size >> 10} KiB" for level in (1, 2, 3) if (size := cache_nbytes(level)))
+    return (f"cpu {cpu_model()} ({platform.machine()}; {caches or 'caches unknown'}); ringcomm kernels: "
+            f"{found.active} (built for {march}: {', '.join(found.built)}; this CPU runs {', '.join(found.supported)})")
 
 
 def join_cgroup(folder: str) -> None:

@@ -3,6 +3,8 @@ unchecked are refused in Python with an error that names them, their value and
 what is allowed, never with pybind11's overload dump, std::bad_alloc or EINVAL."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -71,6 +73,9 @@ def test_group_timeouts_and_cma_variable(one_rank_world, monkeypatch) -> None:
     (dict(spin_us=float("inf")), ValueError, "spin_us=inf is out of range"),
     (dict(spin_us=float("nan")), ValueError, "spin_us=nan is out of range"),
     (dict(cma=1), TypeError, "cma=1 must be a bool"),
+    (dict(cma_piece_nbytes=4000), ValueError, r"cma_piece_nbytes=4000 is out of range.*\[4096, "),
+    (dict(cma_piece_nbytes=4096 + 32), ValueError, "cma_piece_nbytes=4128 must be a multiple of 64"),
+    (dict(cma_piece_nbytes=65536.0), TypeError, "cma_piece_nbytes=65536.0 must be an int"),
 ])
 def test_shm_options(options, error, text) -> None:
     with pytest.raises(error, match=f"ShmOptions: {text}"):
@@ -91,3 +96,31 @@ def test_ints_for_cpp_kernels() -> None:
     ones = torch.ones(3)
     with pytest.raises(TypeError, match="reduce_into: divisor=2.5 must be an int"):
         kernels.reduce_into(ones, [ones, ones], ReduceOp.AVG, 2.5)
+
+
+def test_cma_piece_follows_the_l2_cache() -> None:
+    """Half of one core's L2 for the pieces of every peer and the output's share:
+    L2 / (2 x world size), in 4 KiB steps between 16 KiB and 1 MiB."""
+    options = ringcomm.ShmOptions()
+    assert options.cma_piece_nbytes_for(2, 512 << 10) == 128 << 10  # AMD Zen 2
+    assert options.cma_piece_nbytes_for(2, 2 << 20) == 512 << 10  # Intel Sapphire Rapids
+    assert options.cma_piece_nbytes_for(3, 1280 << 10) == 212 << 10  # Ice Lake: 1.25 MiB / 6, down to 4 KiB
+    assert options.cma_piece_nbytes_for(64, 256 << 10) == 16 << 10 and options.cma_piece_nbytes_for(1, 64 << 20) == 1 << 20
+    assert options.cma_piece_nbytes_for(2, None) == 128 << 10  # unknown L2
+    assert ringcomm.ShmOptions(cma_piece_nbytes=8192).cma_piece_nbytes_for(2, 512 << 10) == 8192
+
+
+def test_cache_sizes_as_sysfs_reports_them(tmp_path, monkeypatch) -> None:
+    caches = {"index0": ("1", "Data", "48K"), "index1": ("1", "Instruction", "32K"),
+              "index2": ("2", "Unified", "2048K"), "index3": ("3", "Unified", "105M")}
+    for cpu in range(os.cpu_count() or 1):
+        for index, (level, kind, size) in caches.items():
+            folder = tmp_path / f"cpu{cpu}" / "cache" / index
+            folder.mkdir(parents=True)
+            for name, value in (("level", level), ("type", kind), ("size", size)):
+                (folder / name).write_text(value + "\n")
+    monkeypatch.setattr(host, "CPU_CACHES", str(tmp_path / "cpu{cpu}" / "cache"))
+    assert (host.cache_nbytes(1), host.cache_nbytes(2), host.cache_nbytes(3)) == (48 << 10, 2 << 20, 105 << 20)
+    assert host.cache_nbytes(4) is None
+    monkeypatch.setattr(host, "CPU_CACHES", str(tmp_path / "absent"))
+    assert host.cache_nbytes(2) is None

@@ -18,7 +18,7 @@ GLOO_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.AVG: dist.ReduceOp.SUM, Re
 # and more from peers by cross-memory attach (single copy).
 SMALL_SHM = ringcomm.ShmOptions(slot_nbytes=256, num_slots=2, oneshot_max_nbytes=64, cma=False)
 SMALL_CMA = ringcomm.ShmOptions(slot_nbytes=256, num_slots=2, oneshot_max_nbytes=64, cma_min_nbytes=128,
-                                cma_reduce_min_nbytes=128)
+                                cma_reduce_min_nbytes=128, cma_piece_nbytes=4096)  # 1000 float64: 2 pieces
 SMALL_TORCH_DIST = ringcomm.TorchDistOptions(segment_nbytes=96)
 
 

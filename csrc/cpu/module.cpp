@@ -199,7 +199,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("timeout_s"), no_gil)
       .def("barrier", &ShmComm::barrier, py::arg("timeout_s"), no_gil)
       .def("setup_cma", &ShmComm::setup_cma, "collective: whether every rank can read every other by CMA; '' when "
-           "it can, else why not", py::arg("timeout_s"), no_gil)
+           "it can, else why not; reductions then read peers through pieces of piece_nbytes per peer",
+           py::arg("timeout_s"), py::arg("piece_nbytes") = ringcomm::kDefaultCmaPieceBytes, no_gil)
       .def_property_readonly("cma_enabled", &ShmComm::cma_enabled)
       .def_property_readonly("_handle",
                              [](std::shared_ptr<ShmComm> comm) {

@@ -114,6 +114,9 @@ int read_process(int64_t pid, void* local, const void* remote, int64_t nbytes);
 
 class P2pChannels;  // shm_p2p.h
 
+constexpr int64_t kDefaultCmaPieceBytes = 128 << 10;  // setup_cma: per peer, for reductions
+constexpr int64_t kMinCmaPieceBytes = 4 << 10;
+
 // One op in progress on a group, for the length of a public call: a second
 // thread that enters meanwhile gets a RuntimeError naming the thread inside
 // (its kernel thread id), as [Note: one caller thread] in ringcomm/comm/group.py asks,
@@ -178,7 +181,10 @@ class ShmComm {
   // Collective: tests whether every rank can read every other's memory by CMA
   // (same user and pid namespace, no seccomp or ptrace rule against it); all
   // ranks agree on the answer. Returns "" when it is on, else the reason.
-  std::string setup_cma(double timeout_s);
+  // Reductions read each peer's data through a buffer of `piece_nbytes` (a
+  // multiple of 64, at least kMinCmaPieceBytes), sized so that the pieces stay
+  // in the CPU's L2 with the output (ringcomm/transport/shm.py chooses it).
+  std::string setup_cma(double timeout_s, int64_t piece_nbytes = kDefaultCmaPieceBytes);
   bool cma_enabled() const { return cma_enabled_; }
 
   // Point-to-point messages (shm_p2p.h). Their calls may come from any threads,

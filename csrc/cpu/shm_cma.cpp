@@ -19,11 +19,6 @@
 #include "shm.h"
 
 namespace ringcomm {
-namespace {
-
-constexpr int64_t kCmaPieceBytes = 128 << 10;  // per peer, for reductions: stays in L2 with the output
-
-}  // namespace
 
 int read_process(int64_t pid, void* local, const void* remote, int64_t nbytes) {
   int64_t done = 0;
@@ -42,8 +37,11 @@ int read_process(int64_t pid, void* local, const void* remote, int64_t nbytes) {
   return 0;
 }
 
-std::string ShmComm::setup_cma(double timeout_s) {
+std::string ShmComm::setup_cma(double timeout_s, int64_t piece_nbytes) {
   OpScope scope(caller_, state_, "setup_cma", rank_);
+  if (piece_nbytes < kMinCmaPieceBytes || piece_nbytes % 64 != 0)
+    throw std::invalid_argument("setup_cma: piece_nbytes=" + std::to_string(piece_nbytes) +
+                                " must be a multiple of 64, at least " + std::to_string(kMinCmaPieceBytes));
   std::string reason;
   peer_pids_.assign(world_size_, 0);
   for (int peer = 0; peer < world_size_ && reason.empty(); ++peer) {
@@ -67,7 +65,7 @@ std::string ShmComm::setup_cma(double timeout_s) {
   for (int peer = 0; peer < world_size_ && reason.empty(); ++peer)
     if (header(peer)->cma_ok != 1) reason = "rank " + std::to_string(peer) + " cannot read its peers' memory";
   cma_enabled_ = reason.empty() && world_size_ > 1;
-  if (cma_enabled_) cma_pieces_.resize(static_cast<size_t>((world_size_ - 1) * kCmaPieceBytes));
+  if (cma_enabled_) cma_pieces_.resize(static_cast<size_t>((world_size_ - 1) * piece_nbytes));
   return reason;
 }
 

@@ -1,6 +1,6 @@
 """What this host offers and what its processes are doing: the cores this
-process may run on, its memory cgroup's limit and usage, and a peer's state by pid (judged in C++, csrc/cpu/process.h,
-which the shared-memory transport uses too)."""
+process may run on and their caches, its memory cgroup's limit and usage, and a peer's state by pid (judged in C++,
+csrc/cpu/process.h, which the shared-memory transport uses too)."""
 from __future__ import annotations
 
 import os
@@ -20,6 +20,31 @@ def process_state(pid: int) -> str:
 def usable_cores() -> int:
     """The cores this process may run on (its affinity mask, as taskset or a cgroup sets it)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+CPU_CACHES = "/sys/devices/system/cpu/cpu{cpu}/cache"
+
+
+def cache_nbytes(level: int) -> int | None:
+    """The size of the data (or unified) cache of `level` that one core of this
+    process sees, as the kernel reports it (sysfs; per core, not per socket),
+    or None where it does not."""
+    cpu = min(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
+    folder = CPU_CACHES.format(cpu=cpu)
+    try:
+        indexes = [name for name in os.listdir(folder) if name.startswith("index")]
+        for index in indexes:
+            fields = {}
+            for field in ("level", "type", "size"):
+                with open(os.path.join(folder, index, field)) as f:
+                    fields[field] = f.read().strip()
+            if int(fields["level"]) == level and fields["type"] in ("Data", "Unified"):
+                size = fields["size"]
+                units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+                return int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+    except (OSError, ValueError, KeyError):
+        return None
+    return None
 
 
 CGROUP_ROOT = "/sys/fs/cgroup"
