@@ -257,7 +257,6 @@ def accelerated_redop(opts: object) -> ReduceOp | None:
     return None
 
 
-
 def takes(tensor: torch.Tensor, supports: Callable[[torch.Tensor], bool]) -> bool:
     """The lean path's check of one tensor: dense, on the CPU, of a ringcomm dtype,
     contiguous, and taken by the transport (`supports`). Tens of ns per test."""

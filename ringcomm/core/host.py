@@ -26,9 +26,10 @@ CPU_CACHES = "/sys/devices/system/cpu/cpu{cpu}/cache"
 
 
 def cache_nbytes(level: int) -> int | None:
-    """The size of the data (or unified) cache of `level` that one core of this
-    process sees, as the kernel reports it (sysfs; per core, not per socket),
-    or None where it does not."""
+    """The size of the data (or unified) cache of `level` that this process's
+    first core uses, as the kernel reports it (sysfs: one instance, e.g. one
+    core's L2 or one core complex's L3, not a socket's total), or None where it
+    does not."""
     cpu = min(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
     folder = CPU_CACHES.format(cpu=cpu)
     try:
