@@ -105,7 +105,8 @@ def test_cma_piece_follows_the_l2_cache() -> None:
     assert options.cma_piece_nbytes_for(2, 512 << 10) == 128 << 10  # AMD Zen 2
     assert options.cma_piece_nbytes_for(2, 2 << 20) == 512 << 10  # Intel Sapphire Rapids
     assert options.cma_piece_nbytes_for(3, 1280 << 10) == 212 << 10  # Ice Lake: 1.25 MiB / 6, down to 4 KiB
-    assert options.cma_piece_nbytes_for(64, 256 << 10) == 16 << 10 and options.cma_piece_nbytes_for(1, 64 << 20) == 1 << 20
+    assert options.cma_piece_nbytes_for(64, 256 << 10) == 16 << 10  # never below 16 KiB
+    assert options.cma_piece_nbytes_for(1, 64 << 20) == 1 << 20  # nor above 1 MiB
     assert options.cma_piece_nbytes_for(2, None) == 128 << 10  # unknown L2
     assert ringcomm.ShmOptions(cma_piece_nbytes=8192).cma_piece_nbytes_for(2, 512 << 10) == 8192
 

@@ -215,7 +215,8 @@ def tensors_to_read() -> dict[str, object]:
         "empty, a transpose's strides": torch.empty(0, 3).t(), "offset view": matrix.view(-1)[5:11],
         "rows": matrix[1:3], "a column": matrix[:, 2:3], "transposed": matrix.t(), "every other": matrix.view(-1)[::2],
         "size-1 dimension of any stride": matrix[2:3].t(),  # shape (6, 1), strides (1, 6): contiguous
-        "expanded": torch.ones(1, 3).expand(4, 3), "channels last": torch.ones(2, 3, 4, 5).to(memory_format=torch.channels_last),
+        "expanded": torch.ones(1, 3).expand(4, 3),
+        "channels last": torch.ones(2, 3, 4, 5).to(memory_format=torch.channels_last),
         "requires grad": torch.ones(4, requires_grad=True),
         **{str(dtype): torch.ones(4).to(dtype) for dtype in dtypes},
         "sparse COO": torch.ones(6).to_sparse(), "sparse CSR": torch.ones(2, 3).to_sparse_csr(),

@@ -38,7 +38,8 @@ namespace {
 
 // [Note: torch's attributes, read by descriptor] Where torch has no DLPack
 // exchange function, the checks read seven of torch.Tensor's attributes per
-// tensor (~70 ns each), the biggest part of a lean call's cost. Each is read through its descriptor, found once on torch.Tensor at setup:
+// tensor (~70 ns each), the biggest part of a lean call's cost. Each is read
+// through its descriptor, found once on torch.Tensor at setup:
 // attribute lookup on a tensor walks its type's MRO and its instance dict
 // before it reaches the same descriptor, and that walk cost ~25% of a read.
 // The tensors read are exactly torch.Tensor (read_tensor checks the type), so
@@ -108,11 +109,11 @@ struct LeanTensor {
 // (dlpack_exchange.h): its data pointer, device, dtype, shape and strides, read
 // from the tensor itself: ~0.55 us less per tensor than reading its attributes
 // on the development machine (8-byte calls at 2 ranks: all_reduce 2.4 -> 1.85
-// us, reduce_scatter and all_gather 2.9 -> 1.85 us). It fails (a
-// Python error, which no_lean clears) for a tensor without strides or storage:
-// sparse, mkldnn and nested ones. A tensor it describes is strided and
-// dense; the rest is checked here: on the CPU, a ringcomm dtype, and contiguous
-// by torch's rule (every dimension of size other than 1 has the stride of a
+// us, reduce_scatter and all_gather 2.9 -> 1.85 us). It fails (a Python
+// error, which no_lean clears) for a tensor without strides or storage:
+// sparse, mkldnn and nested ones. A tensor it describes is strided and dense;
+// the rest is checked here: on the CPU, a ringcomm dtype, and contiguous by
+// torch's rule (every dimension of size other than 1 has the stride of a
 // row-major layout; an empty tensor is contiguous).
 
 // The ringcomm dtype code of a DLPack dtype, or -1.
