@@ -89,13 +89,17 @@ class FinishedWorks:
 
     def __init__(self) -> None:
         self._spare = FinishedWork()
+        work = self._spare
+        # The count of an unheld spare, read as __call__ reads it (self._spare, `work`,
+        # and getrefcount's argument where the interpreter counts it: 3.14 may not).
+        self._unheld = sys.getrefcount(work)
 
     def __call__(self, value: object) -> FinishedWork:
         """A FinishedWork whose future carries `value`. Safe between threads: a
         thread that holds the spare in its `work` adds a reference, so another
         one that reads it meanwhile sees it held and makes a new one."""
         work = self._spare
-        if sys.getrefcount(work) > 3:  # held by more than self._spare, `work` and getrefcount's argument
+        if sys.getrefcount(work) > self._unheld:  # someone else holds it
             work = self._spare = FinishedWork()
         work._value = value
         if work._future is not None:
