@@ -15,6 +15,7 @@ from ..core.host import usable_cores
 from ..core.ops import DTYPE_CODES, DTYPE_CODES_BY_ID, TORCH_OPS, ReduceOp
 
 _TORCH_SUM, _SUM = TORCH_OPS[0]  # torch's SUM and ringcomm's: most calls' op (accelerated_redop)
+_OTHER_OPS = TORCH_OPS[1:]
 
 # [Note: finished works]
 # A call that finished inline (every sync call, and async ones where
@@ -255,7 +256,7 @@ def accelerated_redop(opts: object) -> ReduceOp | None:
         return _SUM
     if torch_op == _TORCH_SUM:
         return _SUM
-    for torch_type, ours in TORCH_OPS:
+    for torch_type, ours in _OTHER_OPS:
         if torch_op == torch_type:
             return ours
     return None

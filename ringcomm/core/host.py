@@ -23,6 +23,7 @@ def usable_cores() -> int:
 
 
 CPU_CACHES = "/sys/devices/system/cpu/cpu{cpu}/cache"
+_SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}  # sysfs writes cache sizes as "512K", "16M"
 
 
 def cache_nbytes(level: int) -> int | None:
@@ -41,8 +42,7 @@ def cache_nbytes(level: int) -> int | None:
                     fields[field] = f.read().strip()
             if int(fields["level"]) == level and fields["type"] in ("Data", "Unified"):
                 size = fields["size"]
-                units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-                return int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+                return int(size[:-1]) * _SIZE_UNITS[size[-1]] if size[-1] in _SIZE_UNITS else int(size)
     except (OSError, ValueError, KeyError):
         return None
     return None
