@@ -1,8 +1,9 @@
-"""What works with `pip install -e` works from a wheel: the wheel holds every
-package and the CUDA sources, and installed in a fresh venv it runs from a
-folder outside the checkout (imports, zero's command lines, a 2-rank
-all_reduce on the "ringcomm" backend), and on older CPUs than this one,
-emulated by qemu-user (tests/cpu_check.py: the slow tier)."""
+"""What works with `pip install -e` works from a wheel built from the sdist: the
+sdist holds every source of csrc/, the wheel every package and the CUDA
+sources, and installed in a fresh venv it runs from a folder outside the
+checkout (imports, zero's command lines, a 2-rank all_reduce on the "ringcomm"
+backend), and on older CPUs than this one, emulated by qemu-user
+(tests/cpu_check.py: the slow tier)."""
 from __future__ import annotations
 
 import os
@@ -10,6 +11,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -74,15 +76,27 @@ def test_every_folder_of_code_is_a_package_the_wheel_holds():
     assert with_code <= found, f"folders of code the wheel would leave out: {sorted(with_code - found)}"
 
 
+def built_sdist(source: Path, target: Path) -> Path:
+    """The sdist of `source`, checked to hold every file of csrc/ that git tracks (a header or
+    kernel left out builds from the checkout and fails from the sdist, as pip installs it)."""
+    run([sys.executable, "setup.py", "-q", "sdist", "-d", target], cwd=source, timeout=300)
+    (sdist,) = target.glob("ringcomm-*.tar.gz")
+    with tarfile.open(sdist) as archive:
+        names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
+    tracked = set(run(["git", "ls-files", "csrc"], cwd=ROOT, timeout=60).split())
+    assert tracked and tracked <= names, f"the sdist lacks {sorted(tracked - names)}"
+    return sdist
+
+
 @pytest.fixture(scope="module")
 def installed_wheel(tmp_path_factory) -> Path:
-    """The wheel built with the default settings from a clean copy, unpacked into a fresh venv
-    that sees torch and numpy (from this one) but not the checkout; its python."""
+    """The wheel built with the default settings from the sdist of a clean copy, unpacked into a
+    fresh venv that sees torch and numpy (from this one) but not the checkout; its python."""
     tmp_path = tmp_path_factory.mktemp("wheel")
     wheels = tmp_path / "wheels"
-    source = clean_copy(tmp_path / "source")
+    sdist = built_sdist(clean_copy(tmp_path / "source"), tmp_path / "sdist")
     env = {k: v for k, v in os.environ.items() if k != "RINGCOMM_MARCH"}
-    run([sys.executable, "-m", "pip", "wheel", source, "--no-deps", "-q", "-w", wheels], cwd=tmp_path, timeout=600,
+    run([sys.executable, "-m", "pip", "wheel", sdist, "--no-deps", "-q", "-w", wheels], cwd=tmp_path, timeout=600,
         env=env)
     (wheel,) = wheels.glob("ringcomm-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
