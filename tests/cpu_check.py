@@ -1,8 +1,9 @@
 """Run under another CPU (`qemu-x86_64 -cpu MODEL python tests/cpu_check.py`):
 ringcomm imports there, runs the build of its kernels that this CPU has, and
 computes what the plain-torch references compute, bit for bit: reductions in
-fp32/bf16/fp16, a quantization round trip, and a 2-rank all_reduce over shared
-memory (the ranks are forked, so they stay on the emulated CPU). Prints
+fp32/bf16/fp16, a quantization round trip, the Adam step's snapshot copies and
+their word sums, and a 2-rank all_reduce over shared memory (the ranks are
+forked, so they stay on the emulated CPU). Prints
 `cpu check ok: capability=NAME supported=A,B` and exits 0, or raises."""
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from datetime import timedelta
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import checksum_reference  # noqa: E402
 import quant_reference as ref  # noqa: E402
 
 import ringcomm  # noqa: E402
@@ -58,6 +60,26 @@ def check_quantization(gen: torch.Generator) -> None:
             assert torch.equal(out.float(), expected.float()), f"dequantize {dtype} {bits=}"
 
 
+def check_step_copies(gen: torch.Generator) -> None:
+    """The fused Adam step's copies (at an address off the vector width) equal
+    the values it updated, and its word sums are theirs."""
+    from zero.optim import host_adam
+
+    numel = 20_001  # blocks of the copy kernel and a tail
+    param = torch.randn(numel, generator=gen).requires_grad_()
+    optimizer = torch.optim.AdamW([param], lr=1e-2)
+    arena = torch.zeros(3 * 4 * numel + 8, dtype=torch.uint8)
+    views = [arena[4 + 4 * numel * i:4 + 4 * numel * (i + 1)].view(torch.float32) for i in range(3)]
+    for _ in range(2):
+        param.grad = torch.randn(numel, generator=gen)
+        copies = host_adam.StepCopies({(param.data_ptr(), numel): [v.data_ptr() for v in views]})
+        host_adam.adam_step(optimizer, 1.0, {}, copies)
+        values = [param.detach(), optimizer.state[param]["exp_avg"], optimizer.state[param]["exp_avg_sq"]]
+        assert all(torch.equal(v, c) for v, c in zip(values, views)), "adam_step: a copy differs from the values"
+        want = [checksum_reference.word_sum(v.numpy().tobytes()) for v in values]
+        assert copies.sums[(param.data_ptr(), numel)] == want, "adam_step: the word sums differ"
+
+
 def all_reduce_rank(rank: int, init_file: str, queue) -> None:
     import torch.distributed as dist
 
@@ -97,6 +119,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     check_reductions(gen)
     check_quantization(gen)
+    check_step_copies(gen)
     check_all_reduce()
     supported = ",".join(ringcomm.cpu_capabilities().supported)
     print(f"cpu check ok: capability={ringcomm.cpu_capability()} supported={supported}")

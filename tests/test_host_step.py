@@ -1,11 +1,16 @@
 """zero/host_adam.py (csrc/cpu/kernels/adam.cpp) against torch's own Adam/AdamW:
-odd sizes, both decay modes, bf16/fp16/no copy-out, 1 and 2 threads."""
+odd sizes, both decay modes, bf16/fp16/no copy-out, 1 and 2 threads. The
+copies the step writes for a snapshot, and their word sums
+(csrc/cpu/checksum.h) against the sums' definition in numpy."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 import zero_reference  # noqa: F401  (puts the repo root on sys.path)
+from checksum_reference import word_sum as numpy_word_sum
+from zero.checkpoint.tensorfile import add_word_sums, word_sum
 from zero.optim import host_adam
 
 
@@ -35,4 +40,57 @@ def test_fused_host_step_matches_torch(cls) -> None:
             if out is not None:
                 assert torch.equal(out, ours.detach().to(out_dtype)), f"{case} step {step}: 16-bit copy differs"
         assert float(opt.state[ours]["step"]) == 4.0, case
+    torch.set_num_threads(threads)
+
+
+def test_word_sums_match_their_definition_add_up_and_see_damage() -> None:
+    g = np.random.default_rng(7)
+    for nbytes, first in ((0, 0), (1, 0), (7, 3), (4096, 0), (100_003, 12_345), (1 << 20, (1 << 31) + 5)):
+        data = g.integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+        got = word_sum(memoryview(data), first)
+        assert got == numpy_word_sum(data, first), f"{nbytes} bytes from word {first}"
+        cut = nbytes // 8 * 4  # a word boundary: the pieces' sums add up to the whole's
+        assert add_word_sums(word_sum(memoryview(data[:cut]), first),
+                             word_sum(memoryview(data[cut:]), first + cut // 4)) == got, f"{nbytes} bytes split"
+        if nbytes >= 8:
+            for damaged in (bytearray(data), bytearray(data)):
+                damaged[g.integers(nbytes)] ^= 1 << int(g.integers(8))
+                assert word_sum(memoryview(damaged), first) != got, f"{nbytes} bytes: a flipped bit unseen"
+            swapped = bytearray(data)
+            swapped[0:4], swapped[4:8] = data[4:8], data[0:4]
+            assert data[0:4] == data[4:8] or word_sum(memoryview(swapped), first) != got, "two words swapped unseen"
+
+
+@pytest.mark.parametrize("num_copies", [1, 2])
+def test_step_copies_hold_the_updated_values_and_their_word_sums(num_copies) -> None:
+    """The step's copies (at addresses not 32-byte aligned, as in a shard file)
+    equal the master and moments after the step, bit for bit, and the sums it
+    returns are theirs; the values themselves are those of a step without copies."""
+    threads = torch.get_num_threads()
+    for numel, num_threads in ((1, 1), (131, 2), (8192 * 3 + 5, 2), (100_003, 1)):
+        torch.set_num_threads(num_threads)
+        case = f"numel {numel}, {num_threads} threads, {num_copies} copies"
+        g = torch.Generator().manual_seed(numel)
+        initial = torch.randn(numel, generator=g)
+        params = [initial.clone().requires_grad_() for _ in range(2)]
+        opts = [torch.optim.AdamW([p], lr=1e-2, weight_decay=0.1) for p in params]
+        arena = torch.zeros(num_copies * 3 * numel * 4 + 64, dtype=torch.uint8)
+        views = [arena[4 + 4 * numel * i:4 + 4 * numel * (i + 1)].view(torch.float32) for i in range(num_copies * 3)]
+        for step in range(2):
+            grad = torch.randn(numel, generator=g)
+            for p in params:
+                p.grad = grad.clone()
+            ours = params[0]
+            copies = host_adam.StepCopies({(ours.data_ptr(), numel): [v.data_ptr() for v in views]})
+            host_adam.adam_step(opts[0], 0.5, {}, copies)
+            host_adam.adam_step(opts[1], 0.5, {})
+            values, plain = ([p.detach(), opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]]
+                             for p, opt in zip(params, opts))
+            for kind, value, other in zip(host_adam.KINDS, values, plain):
+                assert torch.equal(value, other), f"{case}: {kind} differs from the step without copies"
+            for i, view in enumerate(views):
+                kind = host_adam.KINDS[i % 3]
+                assert torch.equal(view, values[i % 3]), f"{case} step {step}: copy {i // 3} of {kind}"
+            want = [numpy_word_sum(v.numpy().tobytes()) for v in values]
+            assert copies.sums[(ours.data_ptr(), numel)] == want, f"{case} step {step}: word sums"
     torch.set_num_threads(threads)

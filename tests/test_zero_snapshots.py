@@ -26,7 +26,7 @@ from zero.checkpoint.snapshot_wire import Placement
 WIDTH, STOPPED, STEPS, DISK_STEP = 16, 5, 8, 3
 
 
-def new_engine(root: str, stage: int = 2):
+def new_engine(root: str, stage: int = 2, amsgrad: bool = False):
     import zero
 
     if root.endswith("{host}"):  # one simulated host per rank: its own name and its own snapshot folder
@@ -39,7 +39,8 @@ def new_engine(root: str, stage: int = 2):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.Dropout(0.3), nn.Linear(WIDTH, WIDTH))
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "amsgrad": amsgrad}},
+              "zero_optimization": {"stage": stage},
               "checkpoint": {"in_memory": {"enabled": True, "path": root}}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -68,22 +69,39 @@ def state_of(engine) -> dict:
     return out
 
 
-def run_worker(rank: int, world_size: int, root: str, ckpt: str, until: int, resume: bool) -> dict:
-    engine = new_engine(root)
+def copied_in_the_step() -> list[list[str]]:
+    """Records, per snapshot, the kinds of tensor take() copied into the slot
+    (the rest the fused optimizer step wrote)."""
+    from zero.checkpoint.tensorfile import MappedSafetensors
+
+    copied, original = [], MappedSafetensors.copy
+
+    def copy(self, fill, skip=()):
+        copied.append(sorted({spec.name.rsplit(":", 1)[1] for spec in self.specs if spec.name not in skip}))
+        return original(self, fill, skip)
+    MappedSafetensors.copy = copy
+    return copied
+
+
+def run_worker(rank: int, world_size: int, root: str, ckpt: str, until: int, resume: bool,
+               amsgrad: bool = False, stage: int = 2) -> dict:
+    engine = new_engine(root, stage, amsgrad)
+    copied = copied_in_the_step()
     resumed = None
     if resume:
         engine.resume(ckpt)
         resumed = (engine.resumed.source, engine.resumed.step, engine.resumed.lost, engine.resumed.pieces)
     train(engine, rank, world_size, until, ckpt)
     engine.parts.snapshots.wait()
-    return {"state": state_of(engine), "rng": torch.rand(3).tolist(), "resumed": resumed}
+    return {"state": state_of(engine), "rng": torch.rand(3).tolist(), "resumed": resumed, "copied": copied}
 
 
-def resume_worker(rank: int, world_size: int, roots: dict[str, str], ckpt: str) -> dict:
+def resume_worker(rank: int, world_size: int, roots: dict[str, str], ckpt: str, amsgrad: bool = False,
+                  stage: int = 2) -> dict:
     """Resumes each damaged copy of the stopped run's snapshots (a fresh engine each)."""
     out = {}
     for case, root in roots.items():
-        engine = new_engine(root)
+        engine = new_engine(root, stage, amsgrad)
         engine.resume(ckpt)
         r = engine.resumed
         out[case] = (r.source, r.step, r.lost, r.pieces, [p.tolist() for p in engine.full_params_fp32()])
@@ -104,10 +122,14 @@ def piece(root: str, step: int, rank: int, holder: int, name: str = "zero_shards
 
 
 @pytest.mark.timeout(240)
-def test_resume_from_memory_matches_an_uninterrupted_run() -> None:
+@pytest.mark.parametrize("amsgrad,stage", [(False, 2), (True, 2), (False, 3)],
+                         ids=["written-by-the-step", "copied-after-it", "stage-3"])
+def test_resume_from_memory_matches_an_uninterrupted_run(amsgrad, stage) -> None:
+    """With AdamW the fused step writes the masters and moments into both of
+    a rank's pieces; with amsgrad (torch's step) take() copies them."""
     with tempfile.TemporaryDirectory(dir="/dev/shm") as shm, tempfile.TemporaryDirectory() as disk:
         stopped, ckpt = os.path.join(shm, "stopped"), os.path.join(disk, "ckpt")
-        run_ranks(run_worker, 2, stopped, ckpt, STOPPED, False)
+        first = run_ranks(run_worker, 2, stopped, ckpt, STOPPED, False, amsgrad, stage)
         assert sorted(os.listdir(stopped)) == ["progress", f"step{STOPPED - 1}", f"step{STOPPED}"]  # two kept
         roots = {}
         for case in ("buddy", "truncated", "disk", "reshard"):
@@ -120,14 +142,19 @@ def test_resume_from_memory_matches_an_uninterrupted_run() -> None:
             for holder in (0, 1):
                 flip_byte(piece(roots["disk"], step, 0, holder), -1)
 
-        resumed = run_ranks(run_worker, 2, stopped, ckpt, STEPS, True)
-        reference = run_ranks(run_worker, 2, os.path.join(shm, "reference"), os.path.join(disk, "ref"), STEPS, False)
+        resumed = run_ranks(run_worker, 2, stopped, ckpt, STEPS, True, amsgrad, stage)
+        reference = run_ranks(run_worker, 2, os.path.join(shm, "reference"), os.path.join(disk, "ref"), STEPS, False,
+                              amsgrad, stage)
         one = run_ranks(resume_worker, 1, {"reshard": roots.pop("reshard"), "fresh": os.path.join(shm, "fresh")},
-                        ckpt)
-        cases = run_ranks(resume_worker, 2, roots, ckpt)
+                        ckpt, amsgrad, stage)
+        cases = run_ranks(resume_worker, 2, roots, ckpt, amsgrad, stage)
         assert os.listdir(os.path.join(shm, "buddy")) == ["progress"], "destroy() removes the snapshots"
 
+    moments = ["exp_avg", "exp_avg_sq", "master", "step"] + ["max_exp_avg_sq"] * amsgrad
     for rank in range(2):
+        assert first[rank]["copied"][0] == sorted(moments), "the first snapshot: before the moments, all copied"
+        assert all(kinds == (sorted(moments) if amsgrad else ["step"]) for kinds in first[rank]["copied"][1:]), \
+            f"rank {rank}: copied in the step: {first[rank]['copied']}"
         assert resumed[rank]["resumed"] == ("memory", STOPPED, 0, {0: "own", 1: "own"})
         ours, theirs = resumed[rank]["state"], reference[rank]["state"]
         assert ours.keys() == theirs.keys() and len(ours) > 6

@@ -41,7 +41,8 @@ struct CpuKernels {
   void (*dequantize_sum)(const uint8_t* data, const float* scales, int num_rows, void* out, DType dtype,
                          int64_t numel, QuantFormat format, int num_threads);
   void (*adam_step)(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, void* out, DType out_dtype,
-                    int64_t numel, const AdamHyper& hyper, int num_threads);
+                    int64_t numel, const AdamHyper& hyper, AdamCopies* copies, int num_threads);
+  uint64_t (*word_sum)(const void* data, int64_t nbytes, int64_t first);
 };
 
 const char* capability_name(CpuCapability capability);

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "adam.h"
+#include "checksum.h"
 #include "copy.h"
 #include "cpu_capability.h"
 #include "quant.h"
@@ -58,7 +59,7 @@ void dequantize_sum(const uint8_t* data, const float* scales, int num_rows, void
 }
 
 void adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, void* out, DType out_dtype,
-               int64_t numel, const AdamHyper& hyper, int num_threads) {
+               int64_t numel, const AdamHyper& hyper, AdamCopies* copies, int num_threads) {
   if (numel < 0 || num_threads < 1 || hyper.step < 1) {
     throw std::invalid_argument("adam_step: numel=" + std::to_string(numel) + ", num_threads=" +
                                 std::to_string(num_threads) + ", step=" + std::to_string(hyper.step));
@@ -67,7 +68,26 @@ void adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_s
     throw std::invalid_argument("adam_step: the parameter copy must be bfloat16 or float16, got dtype code " +
                                 std::to_string(static_cast<int>(out_dtype)));
   }
-  cpu_kernels().adam_step(param, grad, exp_avg, exp_avg_sq, out, out_dtype, numel, hyper, num_threads);
+  if (copies != nullptr && (copies->count < 0 || copies->count > AdamCopies::kMaxCopies)) {
+    throw std::invalid_argument("adam_step: " + std::to_string(copies->count) + " copies, at most " +
+                                std::to_string(AdamCopies::kMaxCopies));
+  }
+  for (int j = 0; copies != nullptr && j < copies->count; ++j) {
+    for (const float* to : copies->to[j]) {
+      if (to == nullptr && numel > 0) {
+        throw std::invalid_argument("adam_step: copy " + std::to_string(j) + " has a null target");
+      }
+    }
+  }
+  cpu_kernels().adam_step(param, grad, exp_avg, exp_avg_sq, out, out_dtype, numel, hyper, copies, num_threads);
+}
+
+uint64_t word_sum(const void* data, int64_t nbytes, int64_t first) {
+  if (nbytes < 0 || first < 0) {
+    throw std::invalid_argument("word_sum: nbytes=" + std::to_string(nbytes) + ", first=" + std::to_string(first) +
+                                " (expected both >= 0)");
+  }
+  return cpu_kernels().word_sum(data, nbytes, first);
 }
 
 }  // namespace ringcomm

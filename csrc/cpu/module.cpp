@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "adam.h"
+#include "checksum.h"
 #include "cpu_capability.h"
 #include "module_lean.h"
 #include "module_p2p.h"
@@ -41,13 +42,26 @@ void copy(uintptr_t dst, uintptr_t src, int64_t nbytes) {
   std::memcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), static_cast<size_t>(nbytes));
 }
 
-void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp_avg_sq, uintptr_t out, int out_dtype,
-               int64_t numel, float lr, float beta1, float beta2, float eps, float weight_decay, int64_t step,
-               float grad_coef, bool adamw, int num_threads) {
+// copies: 3 pointers per copy (master, exp_avg, exp_avg_sq); returns their word sums after the step
+// (none without copies)
+std::vector<uint64_t> adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp_avg_sq, uintptr_t out,
+                                int out_dtype, int64_t numel, float lr, float beta1, float beta2, float eps,
+                                float weight_decay, int64_t step, float grad_coef, bool adamw, int num_threads,
+                                const std::vector<uintptr_t>& copies) {
+  ringcomm::AdamCopies targets;
+  if (copies.size() % 3 != 0 || copies.size() / 3 > ringcomm::AdamCopies::kMaxCopies) {
+    throw std::invalid_argument("adam_step: copies holds " + std::to_string(copies.size()) + " pointers, expected 3 " +
+                                "per copy and at most " + std::to_string(ringcomm::AdamCopies::kMaxCopies) + " copies");
+  }
+  targets.count = static_cast<int>(copies.size() / 3);
+  for (size_t i = 0; i < copies.size(); ++i) targets.to[i / 3][i % 3] = reinterpret_cast<float*>(copies[i]);
   ringcomm::adam_step(reinterpret_cast<float*>(param), reinterpret_cast<const float*>(grad),
                       reinterpret_cast<float*>(exp_avg), reinterpret_cast<float*>(exp_avg_sq),
                       reinterpret_cast<void*>(out), ringcomm::to_dtype(out_dtype), numel,
-                      ringcomm::AdamHyper{lr, beta1, beta2, eps, weight_decay, step, grad_coef, adamw}, num_threads);
+                      ringcomm::AdamHyper{lr, beta1, beta2, eps, weight_decay, step, grad_coef, adamw},
+                      copies.empty() ? nullptr : &targets, num_threads);
+  if (copies.empty()) return {};
+  return {targets.sums[0], targets.sums[1], targets.sums[2]};
 }
 
 void quantize(uintptr_t x, int dtype, int64_t numel, uintptr_t data, uintptr_t scales, int bits, int64_t block,
@@ -101,11 +115,19 @@ PYBIND11_MODULE(_C, m) {
   m.def("reduce_n", &reduce_n, "dst = srcs[0] op srcs[1] op ...", py::arg("dst"), py::arg("srcs"), py::arg("numel"),
         py::arg("dtype"), py::arg("op"), py::arg("divisor") = 1, no_gil);
   m.def("copy", &copy, "memcpy of nbytes", py::arg("dst"), py::arg("src"), py::arg("nbytes"), no_gil);
-  m.def("adam_step", &adam_step, "fused Adam/AdamW: unscale, update, 16-bit copy-out (out=0: none)",
+  m.def("adam_step", &adam_step,
+        "fused Adam/AdamW: unscale, update, 16-bit copy-out (out=0: none), copies of the updated master and moments "
+        "(3 pointers per copy) and their word sums",
         py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("out"),
         py::arg("out_dtype"), py::arg("numel"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
         py::arg("weight_decay"), py::arg("step"), py::arg("grad_coef"), py::arg("adamw"), py::arg("num_threads"),
-        no_gil);
+        py::arg("copies") = std::vector<uintptr_t>{}, no_gil);
+  m.def("word_sum",
+        [](uintptr_t data, int64_t nbytes, int64_t first) {
+          return ringcomm::word_sum(reinterpret_cast<const void*>(data), nbytes, first);
+        },
+        "the word sum of nbytes at data, its first word being word `first` (csrc/cpu/checksum.h)", py::arg("data"),
+        py::arg("nbytes"), py::arg("first") = 0, no_gil);
   m.def("quantize", &quantize, "blockwise int8/int4 quantization of numel elements into data and scales",
         py::arg("x"), py::arg("dtype"), py::arg("numel"), py::arg("data"), py::arg("scales"), py::arg("bits"),
         py::arg("block"), py::arg("num_threads") = 1, no_gil);

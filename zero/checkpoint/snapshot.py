@@ -6,27 +6,41 @@ or a host resumes from the last step instead of the last disk checkpoint.
 A snapshot of step N is one piece per rank, in the host's snapshot folder
 (/dev/shm: it outlives the process, not the host):
 
-    step{N}/rank{r}_of{W}.by{h}/   written by rank h: rank r's piece (h == r) or its buddy's copy
+    step{N}/rank{r}_of{W}.by{h}/   rank r's piece (h == r) or its buddy h's copy; on one host rank r
+                                   writes both, across hosts h receives its copy
         zero_shards_rank{r}_of{W}.safetensors   the rank's named shards (fp32 masters, optimizer
-                                                states), a crc32 per tensor: save.py's shard file
+                                                states), a word sum per tensor ([Note: word sums]
+                                                in csrc/cpu/checksum.h)
         engine_state.pt                         save.py's engine state (scheduler, scaler, counters,
                                                 client state) and this rank's RNG states
         model_states.pt                         the rank's buffers and frozen parameters
         piece.json                              the files' sizes and checksums, written last
     progress/rank{r}                            the last step rank r finished (how many a resume lost)
 
-Taking one (take), in the step: the small states are pickled and the shards
-copied into the slot's shard file through a shared mapping (one memcpy of
-what the rank owns). A thread then finishes the piece while the next step
-runs: the crc32 of each tensor into the file's header, the small files,
-piece.json; the piece goes to the rank's buddy (snapshot_wire.py), and each
-directory is renamed from .partial when complete. Double-buffered: a rank keeps the last
-two steps, so a failure during a snapshot leaves the one before complete on
-every rank (ranks are at most one snapshot apart: a step's collectives wait
-for every rank; `expired` says which older steps go). A new snapshot is written over the files of the one before
-the last, in place: tmpfs then allocates, zeroes and frees no page per step. Resuming from them: snapshot_restore.py. With NVMe offload
-the shards are read from the swap files by the main thread (a copy, not a
-reference), before the next step.
+[Note: the step writes the snapshot]
+A snapshot's cost is the memory traffic of its copies: a copy of the 586 MB
+a rank holds of a 100M-parameter model, the checksums of it and a buddy's copy
+of it cost ~500 ms of CPU per step on a 2-core machine whose cores both
+train (benchmarks/snapshots.py). So each byte is written once and read never:
+before a step that is due (before_step), the rank opens its slots (its own
+shard file and, on its host, its buddy's copy, through kept shared mappings)
+and hands the fused Adam step their addresses; the step writes each updated
+master and moment into both, while the values are in cache, and returns their
+word sums ([Note: copies in the step] in csrc/cpu/kernels/adam.cpp). After the
+step (take), the small states are pickled and what the step did not write (the
+step counts; every tensor for another optimizer, for NVMe offload, or before the
+moments exist) is copied into the own file. A thread then finishes the pieces
+while the next step runs: the missing word sums and the copy's missing tensors,
+the headers, the small files, piece.json; a buddy on another host receives the
+piece (snapshot_wire.py), and each directory is renamed from .partial when
+complete. Double-buffered: a rank keeps the last two steps, so a failure during
+a snapshot leaves the one before complete on every rank (ranks are at most one
+snapshot apart: a step's collectives wait for every rank; `expired` says which
+older steps go). A new snapshot is written over the files of the one before the
+last, in place: tmpfs then allocates, zeroes and frees no page per step.
+Resuming from them: snapshot_restore.py. With NVMe offload the shards are read
+from the swap files by the main thread (a copy, not a reference), before the
+next step.
 """
 from __future__ import annotations
 
@@ -40,15 +54,17 @@ import shutil
 import threading
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
-from .format import ENGINE_STATE, FORMAT, MODEL_STATES, manifest_entry, shard_file
+from ..optim.host_adam import KINDS, StepCopies
+from .format import ENGINE_STATE, FORMAT, MODEL_STATES, NamedShard, manifest_entry, shard_file
 from .parts import CheckpointParts
 from .save import engine_state, module_tensors, named_shards, plain_bytes, shard_specs, state_dict_keys
 from .snapshot_config import SnapshotOptions, default_path
 from .snapshot_wire import Mappings, Placement, Wire, recv_piece, send_piece, wait_all
-from .tensorfile import MappedSafetensors, SafetensorsReader
+from .tensorfile import MappedSafetensors, SafetensorsReader, TensorSpec
 
 PIECE = "piece.json"
 STEP = re.compile(r"step(\d+)$")
@@ -101,14 +117,34 @@ class Snapshots:
         self.placement = Placement.gather(timeout_s)
         buddy = self.placement.buddy(rank) if options.replicas else None
         self.buddy, self.sources = buddy, (self.placement.sources(rank) if options.replicas else [])
-        # own and copies, 2 steps each, and the sources' files a copy on this host reads
-        self.mappings = Mappings(capacity=2 + 4 * len(self.sources))
+        # own piece and its copy on this host, copies from sources on other hosts: 2 steps each, room to spare
+        self.mappings = Mappings(capacity=4 + 4 * len(self.sources))
+        self._slots: Slots | None = None  # opened before a step that is due
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._step: int | None = None
         os.makedirs(os.path.join(self.root, "progress"), exist_ok=True)
 
     # ---- taking ---------------------------------------------------------------------------
+    def before_step(self, step: int, parts: Callable[[], CheckpointParts]) -> StepCopies | None:
+        """Before optimizer step `step`: when it is due for a snapshot, opens its
+        slots and returns where the fused step writes into them ([Note: the
+        step writes the snapshot]); None when it is not due or no shard can."""
+        if step % self.options.interval != 0:
+            return None
+        self.wait()
+        with named_shards(parts()) as shards:
+            targets = {(s.tensors["master"].data_ptr(), s.numel): s.key for s in shards if written_by_step(s)}
+            if not targets:
+                return None
+            specs, _, metadata = shard_specs(shards)
+        slots = self._open(step, specs, metadata)
+        slots.copies = StepCopies({ptr: [f.address(f"{key}:{kind}") for f in slots.files for kind in KINDS]
+                                   for ptr, key in targets.items()})
+        slots.keys = targets
+        self._slots = slots
+        return slots.copies
+
     def after_step(self, step: int, parts: Callable[[], CheckpointParts], client_state: Callable[[], dict] | None) -> None:
         """After optimizer step `step`: marks it, and snapshots it when due (every `interval` steps)."""
         self.mark(step)
@@ -124,26 +160,26 @@ class Snapshots:
 
     def take(self, parts: CheckpointParts, client_state: dict | None) -> None:
         """Snapshots the state after optimizer step parts.progress's global_steps:
-        copies it into this rank's slot now, finishes the piece (checksums,
-        small files, the buddy's copy) on a thread."""
-        self.wait()
+        completes this rank's slots now (what the step did not write into them),
+        finishes the pieces (word sums, small files, a buddy's copy on another
+        host) on a thread."""
         step = parts.progress.state_dict()["global_steps"]
         small = {ENGINE_STATE: plain_bytes({**engine_state(parts, client_state), "rng": rng_state()}),
                  MODEL_STATES: model_states_bytes(parts)}
-        own = piece_dir(self.root, step, self.rank, self.world_size, self.rank)
-        partial = self._slot(own, step)
+        slots, self._slots = self._slots, None
         with named_shards(parts) as shards:
             specs, fill, metadata = shard_specs(shards)
-            shard_bytes = MappedSafetensors(shard_file(partial, self.rank, self.world_size), specs, metadata,
-                                            self.mappings)
-            shard_bytes.copy(fill)
+            if slots is None or slots.step != step or slots.specs != specs:
+                self.wait()
+                slots = self._open(step, specs, metadata)
+            slots.files[0].copy(fill, skip=slots.written())
         self._step = step
         if not self.asynchronous:
-            self._finish(step, own, partial, shard_bytes, small)
+            self._finish(slots, small)
             self._raise()
             return
-        self._thread = threading.Thread(target=self._finish, args=(step, own, partial, shard_bytes, small),
-                                        daemon=True, name=f"zero-snapshot-{step}")
+        self._thread = threading.Thread(target=self._finish, args=(slots, small), daemon=True,
+                                        name=f"zero-snapshot-{step}")
         self._thread.start()
 
     def wait(self) -> None:
@@ -159,30 +195,50 @@ class Snapshots:
             raise RuntimeError(f"zero: rank {self.rank}: the in-memory snapshot of step {self._step} in "
                                f"{self.root} failed: {type(error).__name__}: {error}") from error
 
-    def _finish(self, step: int, own: str, partial: str, shard_bytes: MappedSafetensors,
-                small: dict[str, bytes]) -> None:
+    def _open(self, step: int, specs: list[TensorSpec], metadata: dict[str, str]) -> Slots:
+        """The slots of this rank's piece of `step`: its own and, on this host, its buddy's copy."""
+        holders = [self.rank]
+        if self.buddy is not None and self.placement.same_host(self.rank, self.buddy):
+            holders.append(self.buddy)
+        dirs = [piece_dir(self.root, step, self.rank, self.world_size, holder) for holder in holders]
+        partials = [self._slot(directory, step) for directory in dirs]
+        files = [MappedSafetensors(shard_file(partial, self.rank, self.world_size), specs, metadata, self.mappings)
+                 for partial in partials]
+        return Slots(step, list(zip(dirs, partials)), files, specs)
+
+    def _finish(self, slots: Slots, small: dict[str, bytes]) -> None:
         try:
-            shard_bytes.checksum()
-            for name, data in small.items():
-                with open(os.path.join(partial, name), "wb") as f:
-                    f.write(data)
-            write_piece_json(partial, step, self.rank, self.world_size)
-            os.rename(partial, own)
-            self._exchange(step, own)
-            for old in expired(steps_in(self.root), step):
+            own, *copies = slots.files
+            written = slots.written()
+            sums = own.sums(written)
+            for copy in copies:
+                copy.copy_from(own, [spec.name for spec in slots.specs if spec.name not in written])
+                copy.finish(sums)
+            own.finish(sums)
+            for directory, partial in slots.dirs:
+                for name, data in small.items():
+                    with open(os.path.join(partial, name), "wb") as f:
+                        f.write(data)
+                write_piece_json(partial, slots.step, self.rank, self.world_size)
+                os.rename(partial, directory)
+            self._exchange(slots.step, slots.dirs[0][0])
+            for old in expired(steps_in(self.root), slots.step):
                 shutil.rmtree(os.path.join(self.root, f"step{old}"), ignore_errors=True)
         except BaseException as error:
             self._error = error
 
     def _exchange(self, step: int, own: str) -> None:
-        """Own piece to the buddy, the sources' pieces from them ([Note: buddies])."""
+        """Own piece to a buddy on another host, the pieces of sources on other
+        hosts from them ([Note: buddies]); on one host the writer made the copy."""
         works = []
-        if self.buddy is not None:
-            works = send_piece(own, self.buddy, self.wire, self.mappings, same_host=self.placement.same_host(self.rank, self.buddy))
+        if self.buddy is not None and not self.placement.same_host(self.rank, self.buddy):
+            works = send_piece(own, self.buddy, self.wire, self.mappings)
         for src in self.sources:
+            if self.placement.same_host(self.rank, src):
+                continue
             copy = piece_dir(self.root, step, src, self.world_size, self.rank)
             partial = self._slot(copy, step)
-            recv_piece(partial, src, self.wire, self.mappings, same_host=self.placement.same_host(self.rank, src))
+            recv_piece(partial, src, self.wire, self.mappings)
             os.rename(partial, copy)
         wait_all(works)
 
@@ -208,10 +264,19 @@ class Snapshots:
         return partial
 
     def held(self, step: int) -> list[str]:
-        """The piece directories of `step` this rank wrote (its own, its copies)."""
+        """The piece directories of `step` this rank wrote: its own, its buddy's
+        copy on this host, the copies it received from sources on other hosts."""
         folder = os.path.join(self.root, f"step{step}")
         names = os.listdir(folder) if os.path.isdir(folder) else []
-        return [os.path.join(folder, n) for n in names if (m := PIECE_DIR.match(n)) and int(m.group(3)) == self.rank]
+        return [os.path.join(folder, name) for name in names
+                if (m := PIECE_DIR.match(name)) and self.wrote(*map(int, m.groups()))]
+
+    def wrote(self, rank: int, world_size: int, holder: int) -> bool:
+        """Whether this rank writes `rank`'s piece held by `holder`: on one host
+        the piece's rank writes both; across hosts the holder receives its copy."""
+        if world_size == self.world_size and self.placement.same_host(rank, holder):
+            return rank == self.rank
+        return holder == self.rank
 
     def nbytes(self) -> int:
         """Shared memory this rank's snapshots hold: the last two steps' pieces and copies it wrote."""
@@ -235,6 +300,34 @@ class Snapshots:
                 os.rmdir(os.path.join(self.root, f"step{step}"))
         with contextlib.suppress(OSError):
             os.remove(os.path.join(self.root, "progress", f"rank{self.rank}"))
+
+
+@dataclass
+class Slots:
+    """The shard files of one snapshot this rank writes: its own piece's and,
+    on its host, its buddy's copy's (the same tensors at the same offsets)."""
+
+    step: int
+    dirs: list[tuple[str, str]]  # (piece directory, the .partial one it is written in); own first
+    files: list[MappedSafetensors]  # by dirs
+    specs: list[TensorSpec]
+    copies: StepCopies | None = None  # what the step writes (before_step)
+    keys: dict[tuple[int, int], str] = field(default_factory=dict)  # a master's (data_ptr, numel) -> its shard's key
+
+    def written(self) -> dict[str, int]:
+        """The tensors the step wrote into every file: their word sums, by name."""
+        sums = self.copies.sums if self.copies is not None else {}
+        return {f"{self.keys[ptr]}:{kind}": value for ptr, values in sums.items() for kind, value in zip(KINDS, values)}
+
+
+def written_by_step(shard: NamedShard) -> bool:
+    """Whether the fused step can write the shard's master and moments into a
+    snapshot: plain fp32 host tensors of its numel (not offloaded to NVMe, not
+    before the optimizer's first step made the moments)."""
+    tensors = [shard.tensors.get(kind) for kind in KINDS]
+    return shard.numel > 0 and all(isinstance(t, torch.Tensor) and t.dtype == torch.float32 and
+                                   t.device.type == "cpu" and t.is_contiguous() and t.numel() == shard.numel
+                                   for t in tensors)
 
 
 def model_states_bytes(parts: CheckpointParts) -> bytes:

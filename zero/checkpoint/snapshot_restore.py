@@ -4,7 +4,7 @@ checkpoint when it is newer or no snapshot is complete.
 [Note: resume from memory]
     every rank   waits for its pending snapshot; checks its share of its host's
                  pieces (piece.json, each file's size, crc32 of the .pt files
-                 and the shard file's header, every tensor's crc32)
+                 and the shard file's header, every tensor's word sum)
     all-gather   the valid pieces each rank saw, the steps each host's ranks finished
     choose       the newest (step, world size) with every piece valid on some
                  host; the disk checkpoint in load_dir instead when it is newer
@@ -212,11 +212,11 @@ def fetch_missing(snapshots: Snapshots, used: list[Piece], step: int,
             source = min((p for p in used if p.rank == r), key=lambda p: p.reporter)
             receiver = ranks[0]
             if rank == source.reporter:
-                wait_all(send_piece(source.path, receiver, wire, snapshots.mappings, same_host=False))
+                wait_all(send_piece(source.path, receiver, wire, snapshots.mappings))
             elif rank == receiver:
                 directory = piece_dir(snapshots.root, step, r, saved_world, rank)
                 shutil.rmtree(directory, ignore_errors=True)
-                recv_piece(directory, source.reporter, wire, snapshots.mappings, same_host=False)
+                recv_piece(directory, source.reporter, wire, snapshots.mappings)
                 check_piece(Piece(step, r, saved_world, rank, directory, rank))
             if rank in ranks:
                 local[r] = piece_dir(snapshots.root, step, r, saved_world, ranks[0])

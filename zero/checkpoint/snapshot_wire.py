@@ -1,8 +1,8 @@
 """Where a snapshot's copies go and how they travel ([Note: in-memory snapshots]
 in snapshot.py): the placement of ranks on hosts, each rank's buddy, and
-piece directories sent between ranks over a gloo group of their own (across
-hosts: the bytes, received straight into the buddy's /dev/shm; on one host:
-the path, copied by the receiver in the kernel). The group is gloo's, made on
+piece directories sent to a buddy on another host over a gloo group of their
+own (the bytes, received straight into the buddy's /dev/shm; on one host the
+piece's rank writes the copy itself: snapshot.py). The group is gloo's, made on
 the attempt-scoped store ([Note: attempt-scoped keys] in
 ringcomm/core/attempt.py: torch's new_group keys are not, so a restarted
 attempt would meet the dead one's addresses), and runs only send and recv,
@@ -138,21 +138,20 @@ class Mappings:
         self._kept.clear()
 
 
-def send_piece(directory: str, dst: int, wire: Wire, mappings: Mappings, *, same_host: bool) -> list:
-    """Starts sending the piece in `directory` to rank `dst`: its path (same
-    host) or its files' names and bytes; returns the works to wait on. Pairs
+def send_piece(directory: str, dst: int, wire: Wire, mappings: Mappings) -> list:
+    """Starts sending the piece in `directory` to rank `dst`: its files' names
+    and bytes; returns the works to wait on. Pairs
     with recv_piece; sends start before receives, so buddies in a cycle do
     not wait on each other."""
     names = piece_files(directory) if os.path.isdir(directory) else []
-    header = {"directory": directory, "files": [(n, os.path.getsize(os.path.join(directory, n))) for n in names]}
+    header = {"files": [(n, os.path.getsize(os.path.join(directory, n))) for n in names]}
     data = torch.frombuffer(bytearray(repr(header).encode()), dtype=torch.uint8)
     tensors = [torch.tensor([data.numel()], dtype=torch.int64), data]
-    if not same_host:
-        tensors += [mappings(os.path.join(directory, n), nbytes) for n, nbytes in header["files"] if nbytes]
+    tensors += [mappings(os.path.join(directory, n), nbytes) for n, nbytes in header["files"] if nbytes]
     return [(wire.isend(t, dst), t) for t in tensors]
 
 
-def recv_piece(directory: str, src: int, wire: Wire, mappings: Mappings, *, same_host: bool) -> None:
+def recv_piece(directory: str, src: int, wire: Wire, mappings: Mappings) -> None:
     """Receives the piece send_piece sent into `directory` (files received
     straight into it)."""
     size = torch.empty(1, dtype=torch.int64)
@@ -165,8 +164,6 @@ def recv_piece(directory: str, src: int, wire: Wire, mappings: Mappings, *, same
         path = os.path.join(directory, name)
         if not nbytes:
             open(path, "wb").close()
-        elif same_host:  # a memcpy between kept mappings
-            mappings(path, nbytes).copy_(mappings(os.path.join(header["directory"], name), nbytes))
         else:
             wire.recv(mappings(path, nbytes), src)
 

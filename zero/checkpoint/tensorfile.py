@@ -5,7 +5,10 @@ than RAM can be written and consolidated with a bounded buffer.
   {name: {dtype, shape, data_offsets}} (optional "__metadata__": str -> str),
   then the bytes. The safetensors package writes whole dicts only, hence this
   writer; the tests read its files with the package. With checksums=True the
-  metadata also holds each tensor's crc32 ([Note: checksums in the header]).
+  metadata also holds each tensor's crc32 ([Note: checksums in the header]);
+  MappedSafetensors' files (the in-memory snapshots) hold word sums instead
+  ([Note: word sums] in csrc/cpu/checksum.h), which the optimizer step
+  computes as it writes the values.
 - torch.save's zip format: the skeleton is saved with
   torch.serialization.skip_data (storages reserved, not written) from
   placeholder tensors that are never touched, then each storage is written
@@ -17,11 +20,13 @@ import json
 import math
 import os
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from ringcomm import _C
 from ringcomm.core import compat
 
 try:  # zlib-ng's crc32: the same values as zlib's, ~4x faster (PCLMULQDQ folding) on x86-64
@@ -34,6 +39,7 @@ SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16:
                       torch.uint8: "U8", torch.bool: "BOOL"}
 DTYPE_OF = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
 CRC_KEY = "crc32"  # metadata key: JSON {tensor name: 8 hex digits}
+WORD_SUM_KEY = "word_sum"  # metadata key: JSON {tensor name: 16 hex digits}
 CHUNK_NBYTES = 1 << 20  # checksums stream through a buffer of this size
 
 
@@ -77,10 +83,26 @@ def _write_bytes(f, spec: TensorSpec, tensor: torch.Tensor) -> int:
     return crc32(data)
 
 
-def _header_bytes(header: dict[str, object], metadata: dict[str, str], crcs: dict[str, int] | None) -> bytes:
+def word_sum(data: memoryview | torch.Tensor, first: int = 0) -> int:
+    """The word sum of the bytes ([Note: word sums] in csrc/cpu/checksum.h),
+    their first word being word `first` of what is summed."""
+    if isinstance(data, torch.Tensor):
+        return _C.word_sum(data.data_ptr(), data.numel() * data.element_size(), first)
+    return _C.word_sum(np.frombuffer(data, dtype=np.uint8).ctypes.data, len(data), first) if len(data) else 0
+
+
+def add_word_sums(a: int, b: int) -> int:
+    """The word sum of two consecutive pieces' bytes (the second's summed from its first word's index)."""
+    low = (1 << 32) - 1
+    return ((((a >> 32) + (b >> 32)) & low) << 32) | ((a + b) & low)
+
+
+def _header_bytes(header: dict[str, object], metadata: dict[str, str], crcs: dict[str, int] | None,
+                  key: str = CRC_KEY) -> bytes:
     if crcs is not None:
-        metadata = {**metadata, CRC_KEY: json.dumps({name: f"{crc:08x}" for name, crc in crcs.items()},
-                                                    separators=(",", ":"))}
+        digits = 8 if key == CRC_KEY else 16
+        metadata = {**metadata, key: json.dumps({name: f"{crc:0{digits}x}" for name, crc in crcs.items()},
+                                                separators=(",", ":"))}
     if metadata:
         header = {**header, "__metadata__": metadata}
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -138,14 +160,14 @@ def map_file(path: str, nbytes: int) -> torch.Tensor:
 
 
 class MappedSafetensors:
-    """A checksummed safetensors file written in two phases: copy() puts every
-    tensor's bytes into the file through a shared mapping (one memcpy; an
+    """A safetensors file written through a shared mapping, with a word sum per
+    tensor, in phases: its tensors' bytes go in by copy() (one memcpy each; an
     existing file is overwritten in place, so a tmpfs file of the same size
-    allocates no page), and checksum(), later and on any thread, computes each
-    tensor's crc32 from the file and writes the final header. Until then the
-    header's crc32s are 00000000: a reader refuses the file ([Note: checksums
-    in the header]). The in-memory snapshots copy in the step and checksum
-    while the next step runs (zero/checkpoint/snapshot.py)."""
+    allocates no page), copy_from() or straight at address() (the fused
+    optimizer step writes there); later, on any thread, sums() completes the
+    word sums and finish() writes the final header. Until then the header's
+    sums are 0: a reader refuses the file ([Note: checksums in the header]).
+    The in-memory snapshots write these (zero/checkpoint/snapshot.py)."""
 
     def __init__(self, path: str, specs: Sequence[TensorSpec], metadata: dict[str, str],
                  mapping: Callable[[str, int], torch.Tensor] | None = None) -> None:
@@ -154,29 +176,47 @@ class MappedSafetensors:
         then not faulted in again)."""
         self.path, self.specs, self.metadata = path, list(specs), metadata
         self.header, nbytes = _plan_header(self.specs, "MappedSafetensors")
-        raw = _header_bytes(self.header, metadata, {spec.name: 0 for spec in self.specs})
+        raw = self._header({spec.name: 0 for spec in self.specs})
         self.data_start, total = 8 + len(raw), 8 + len(raw) + nbytes
         self.mapped: torch.Tensor | None = (mapping or map_file)(path, total)
         self.mapped[:8].copy_(torch.frombuffer(bytearray(struct.pack("<Q", len(raw))), dtype=torch.uint8))
         self.mapped[8:self.data_start].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
 
-    def _bytes(self, spec: TensorSpec) -> torch.Tensor:
-        begin, end = self.header[spec.name]["data_offsets"]
+    def _header(self, sums: dict[str, int]) -> bytes:
+        return _header_bytes(self.header, self.metadata, sums, WORD_SUM_KEY)
+
+    def _bytes(self, name: str) -> torch.Tensor:
+        begin, end = self.header[name]["data_offsets"]
         return self.mapped[self.data_start + begin:self.data_start + end]
 
-    def copy(self, fill: Fill) -> None:
-        """Each spec's tensor (asked for once, in order) into the file."""
+    def address(self, name: str) -> int:
+        """Where tensor `name`'s bytes start in memory (while the file is mapped)."""
+        return self._bytes(name).data_ptr()
+
+    def copy(self, fill: Fill, skip: Collection[str] = ()) -> None:
+        """Each spec's tensor but those named in `skip` (asked for once, in order) into the file."""
         for spec in self.specs:
+            if spec.name in skip:
+                continue
             tensor = fill(spec)
             if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
                 raise ValueError(f"MappedSafetensors: {spec.name}: got shape {tuple(tensor.shape)} {tensor.dtype}, "
                                  f"expected {spec.shape} {spec.dtype}")
-            self._bytes(spec).copy_(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8))
+            self._bytes(spec.name).copy_(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8))
 
-    def checksum(self) -> None:
-        """Each tensor's crc32 into the header; unmaps the file."""
-        crcs = {spec.name: crc32(memoryview(self._bytes(spec).numpy())) for spec in self.specs}
-        raw = _header_bytes(self.header, self.metadata, crcs)
+    def copy_from(self, other: MappedSafetensors, names: Collection[str]) -> None:
+        """The bytes of the tensors `names` from `other`, a file of the same specs."""
+        for name in names:
+            self._bytes(name).copy_(other._bytes(name))
+
+    def sums(self, known: dict[str, int]) -> dict[str, int]:
+        """Every tensor's word sum: those `known` (by name), the others computed from the file."""
+        return {spec.name: known[spec.name] if spec.name in known else word_sum(self._bytes(spec.name))
+                for spec in self.specs}
+
+    def finish(self, sums: dict[str, int]) -> None:
+        """The word sums (sums()) into the header; unmaps the file."""
+        raw = self._header(sums)
         assert 8 + len(raw) == self.data_start, f"MappedSafetensors({self.path}): the header changed length"
         self.mapped[8:self.data_start].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
         self.mapped = None
@@ -216,6 +256,7 @@ class SafetensorsReader:
             if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
                 raise ValueError("__metadata__ is not a str -> str object")
             self.checksums = {k: int(v, 16) for k, v in json.loads(metadata.get(CRC_KEY, "{}")).items()}
+            self.word_sums = {k: int(v, 16) for k, v in json.loads(metadata.get(WORD_SUM_KEY, "{}")).items()}
         except (UnicodeDecodeError, ValueError, TypeError, AttributeError) as error:
             raise ValueError(f"{self.path}: corrupt header: {error}") from None
         self.metadata: dict[str, str] = metadata
@@ -239,20 +280,24 @@ class SafetensorsReader:
                              f"{nbytes - self.data_start}: truncated or corrupt")
 
     def verify(self, name: str) -> None:
-        """Recomputes tensor `name`'s crc32 (streamed) and compares it with the one written at save."""
-        if name not in self.checksums:
+        """Recomputes tensor `name`'s crc32 or word sum (streamed) and compares it with the one written."""
+        if name not in self.checksums and name not in self.word_sums:
             raise ValueError(f"{self.path}: tensor {name} has no checksum in the header")
-        spec, crc, left = self.specs[name], 0, self.specs[name].nbytes
-        buffer = memoryview(bytearray(min(CHUNK_NBYTES, max(left, 1))))
+        words = name not in self.checksums
+        spec, value, left = self.specs[name], 0, self.specs[name].nbytes
+        buffer = memoryview(bytearray(min(CHUNK_NBYTES, max(left, 1))))  # a multiple of 4 bytes: whole words
         self.file.seek(self.data_start + self.offsets[name])
         while left:
             got = self.file.readinto(buffer[:min(left, len(buffer))])
             if not got:
                 raise ValueError(f"{self.path}: tensor {name} is truncated")
-            crc, left = crc32(buffer[:got], crc), left - got
-        if crc != self.checksums[name]:
-            raise ValueError(f"{self.path}: tensor {name} ({spec.shape} {spec.dtype}): crc32 {crc:08x}, "
-                             f"{self.checksums[name]:08x} written at save: the data is corrupt")
+            done = spec.nbytes - left
+            value = add_word_sums(value, word_sum(buffer[:got], done // 4)) if words else crc32(buffer[:got], value)
+            left -= got
+        written, what = (self.word_sums[name], "word sum") if words else (self.checksums[name], "crc32")
+        if value != written:
+            raise ValueError(f"{self.path}: tensor {name} ({spec.shape} {spec.dtype}): {what} {value:08x}, "
+                             f"{written:08x} written at save: the data is corrupt")
 
     def read(self, name: str, out: torch.Tensor, begin: int = 0) -> torch.Tensor:
         """Elements [begin, begin + out.numel()) of tensor `name`, flattened, into `out`."""

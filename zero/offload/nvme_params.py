@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from ..checkpoint.format import Deferred, NamedShard
+from ..optim import host_adam
 from ..sharding import state
 from ..sharding.param_group import ZeroBucket, fold_into_master
 from ..sharding.policy import ShardingPolicy
@@ -217,9 +218,10 @@ class NvmeParamGroup(HostParamGroup):
             return super().owned_grads_fp32()
         return Float32Grads([b.owned_grad() for b in self.buckets])
 
-    def step(self, optimizer: torch.optim.Optimizer, grads: Sequence[torch.Tensor], coef: float) -> None:
+    def step(self, optimizer: torch.optim.Optimizer, grads: Sequence[torch.Tensor], coef: float,
+             copies: host_adam.StepCopies | None = None) -> None:
         if self.states is None:
-            super().step(optimizer, grads, coef)
+            super().step(optimizer, grads, coef, copies)
             return
         self.states.step(optimizer, grads.raw, coef, self.copy_out)
         optimizer.zero_grad(set_to_none=True)

@@ -23,6 +23,7 @@ from ..checkpoint.snapshot_restore import Resumed
 from ..checkpoint.snapshot_restore import resume as snapshot_resume
 from ..monitor import comms
 from ..monitor.step_log import StepLog
+from ..optim.host_adam import StepCopies
 from ..sharding.accounting import MemoryReport, memory_report
 from ..sharding.gather import ModuleGatherer
 from ..sharding.param_group import ParamGroup
@@ -152,8 +153,11 @@ class ZeroEngine:
         if self._inside_no_sync:
             raise RuntimeError("zero: engine.step() inside no_sync(): leave the context first (as DeepSpeed)")
         if self.is_gradient_accumulation_boundary():
+            snapshots = self.parts.snapshots
+            due = snapshots is not None
+            copies = snapshots.before_step(self.global_steps + 1, self.checkpoint_parts) if due else None
             with self.step_log.timed("step"):
-                self._step_applied = self._take_step()
+                self._step_applied = self._take_step(copies)
                 if self._step_applied and self.lr_scheduler is not None:
                     self.lr_scheduler.step()
             self.global_steps += 1
@@ -170,8 +174,9 @@ class ZeroEngine:
                                lr=group["lr"], mom=group.get("betas", group.get("momentum")),
                                loss_scale=self.parts.scaler.scale if self.fp16_enabled() else None)
 
-    def _take_step(self) -> bool:
-        """Returns False when fp16 overflowed and the step was skipped."""
+    def _take_step(self, copies: StepCopies | None = None) -> bool:
+        """Returns False when fp16 overflowed and the step was skipped. copies:
+        where the step also writes the values it updates (a snapshot's)."""
         group, scaler = self.parts.group, self.parts.scaler
         grads = group.owned_grads_fp32()  # offload: copies to host start ([Note: gradient copies to host])
         used_scale = scaler.scale  # the scale these gradients carry; update() may change it
@@ -187,7 +192,7 @@ class ZeroEngine:
         clip = self.config.gradient_clipping
         if clip > 0 and clip / (norm + 1e-6) < 1.0:
             coef *= clip / (norm + 1e-6)
-        group.step(self.optimizer, grads, coef)
+        group.step(self.optimizer, grads, coef, copies)
         return True
 
     def destroy(self) -> None:

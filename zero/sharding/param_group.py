@@ -288,16 +288,19 @@ class ParamGroup:
             self.comm.all_reduce(total)
         return float(total.sqrt())
 
-    def step(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor], coef: float) -> None:
+    def step(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor], coef: float,
+             copies: host_adam.StepCopies | None = None) -> None:
         """Hands the optimizer the owned gradients times `coef` (unscale, clip),
-        steps, and publishes the updated masters into the parameters."""
+        steps, and publishes the updated masters into the parameters. The fused
+        host step also writes `copies` (an in-memory snapshot's); another step
+        leaves them to the snapshot."""
         for bucket, g in zip(self.buckets, grads):
             for view, begin, end in bucket.master_views:
                 view.grad = g[begin:end]
         published: set[int] = set()
         if host_adam.applies(optimizer):
             outputs = self.host_outputs()
-            host_adam.adam_step(optimizer, coef, outputs)
+            host_adam.adam_step(optimizer, coef, outputs, copies)
             published = {b.span.index for b in self.buckets if all(id(v) in outputs for v, _, _ in b.master_views)}
         else:
             with unscaled(optimizer, coef) as fused:

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "adam.h"
+#include "checksum.h"
 #include "common.h"
 #include "quant.h"
 
@@ -20,12 +21,18 @@ namespace RINGCOMM_CPU_CAPABILITY {
 
 void reduce_n(void* dst, const void* const* srcs, int num_srcs, int64_t numel, DType dtype, RedOp op, int64_t divisor);
 void copy_bytes(void* dst, const void* src, int64_t nbytes);
+// memcpy through non-temporal stores where the build has them (AVX2); the
+// caller issues fence_streams() before anyone else may read dst.
+void stream_bytes(void* dst, const void* src, int64_t nbytes);
+void fence_streams();
+WordSum word_sum_of(const uint32_t* words, int64_t count, int64_t first);  // the sum of words first, first + 1, ...
+uint64_t word_sum_bytes(const void* data, int64_t nbytes, int64_t first);
 void quantize(const void* x, DType dtype, int64_t numel, uint8_t* data, float* scales, QuantFormat format,
               int num_threads);
 void dequantize_sum(const uint8_t* data, const float* scales, int num_rows, void* out, DType dtype, int64_t numel,
                     QuantFormat format, int num_threads);
 void adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, void* out, DType out_dtype,
-               int64_t numel, const AdamHyper& hyper, int num_threads);
+               int64_t numel, const AdamHyper& hyper, AdamCopies* copies, int num_threads);
 
 }  // namespace RINGCOMM_CPU_CAPABILITY
 }  // namespace ringcomm

@@ -6,7 +6,7 @@ namespace ringcomm {
 namespace RINGCOMM_CPU_CAPABILITY {
 
 extern const CpuKernels kKernels;
-const CpuKernels kKernels{&reduce_n, &copy_bytes, &quantize, &dequantize_sum, &adam_step};
+const CpuKernels kKernels{&reduce_n, &copy_bytes, &quantize, &dequantize_sum, &adam_step, &word_sum_bytes};
 
 }  // namespace RINGCOMM_CPU_CAPABILITY
 }  // namespace ringcomm
