@@ -9,7 +9,9 @@ snapshots, alternating, per stage.
 
 Prints per stage the median step (after --warmup steps: the first, and the
 first two snapshots, which allocate their slots in /dev/shm) with snapshots and
-without, their ratio per round and its median and range, and the shared
+without (and of it engine.step(), which writes the snapshot: [Note: the step
+writes the snapshot] in zero/checkpoint/snapshot.py), their ratio per round and
+its median and range, and the shared
 memory the snapshots hold per rank: measured (memory_report().snapshot_nbytes,
 the files in /dev/shm) against zero.estimate's snapshot_nbytes, and where a
 snapshot's time goes (PARTS: the median per timed step of each part of
@@ -35,10 +37,12 @@ from machine import cpu_line, write_json  # noqa: E402
 
 
 # The parts of a snapshot timed in the runs with snapshots: (label, module, owner, function)
-PARTS = (("take, in the step", "snapshot", "Snapshots", "take"),
+PARTS = (("slots, before the step", "snapshot", "Snapshots", "before_step"),
+         ("take, in the step", "snapshot", "Snapshots", "take"),
          ("  copy into the slot", "tensorfile", "MappedSafetensors", "copy"),
-         ("checksums (thread)", "tensorfile", "MappedSafetensors", "checksum"),
-         ("buddy's copy (thread)", "snapshot", "Snapshots", "_exchange"),
+         ("word sums left (thread)", "tensorfile", "MappedSafetensors", "sums"),
+         ("copy's rest (thread)", "tensorfile", "MappedSafetensors", "copy_from"),
+         ("buddy on another host (thread)", "snapshot", "Snapshots", "_exchange"),
          ("piece.json (thread)", "snapshot", None, "write_piece_json"))
 
 
@@ -105,18 +109,22 @@ def worker(args: argparse.Namespace) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         engine, *_ = zero.initialize(model=model, config=config)
-    times = []
+    times, optimizer_times, forward_times = [], [], []
     for step in range(args.steps):
         tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq),
                                generator=torch.Generator().manual_seed(step * world_size + rank))
         start = time.perf_counter()
         loss = engine(tokens, labels=tokens).loss
+        forward_times.append(time.perf_counter() - start)
         engine.backward(loss)
+        stepping = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
+        optimizer_times.append(time.perf_counter() - stepping)
     if snapshots == "on":
         engine.parts.snapshots.wait()
     result = {"rank": rank, "num_params": num_params, "times": times[args.warmup:], "warmup": times[:args.warmup],
+              "optimizer_times": optimizer_times[args.warmup:], "forward_times": forward_times[args.warmup:],
               "snapshot_nbytes": engine.memory_report().snapshot_nbytes,
               "estimate_nbytes": snapshot_nbytes(num_params, world_size, int(stage)),
               "parts": {label: calls[args.warmup:args.steps] for label, calls in parts.items()}}
@@ -139,9 +147,9 @@ def run_case(args: argparse.Namespace, stage: int, snapshots: str, folder: str) 
     return results
 
 
-def step_time(results: list[dict]) -> float:
-    """The median step: per step the slower rank's time."""
-    return statistics.median(max(steps) for steps in zip(*(r["times"] for r in results)))
+def step_time(results: list[dict], key: str = "times") -> float:
+    """The median step (key "optimizer_times": its engine.step() alone): per step the slower rank's time."""
+    return statistics.median(max(steps) for steps in zip(*(r[key] for r in results)))
 
 
 def print_parts(rows: dict[int, list[dict]]) -> None:
@@ -165,14 +173,17 @@ def main(argv: list[str] | None = None) -> int:
             for stage in stages:
                 off = run_case(args, stage, "off", folder)
                 on = run_case(args, stage, "on", folder)
-                row = {"round": round_, "off_s": step_time(off), "on_s": step_time(on),
+                row = {"round": round_, "off_s": step_time(off), "on_s": step_time(on), "off": off, "on": on,
+                       "optimizer_off_s": step_time(off, "optimizer_times"),
+                       "optimizer_on_s": step_time(on, "optimizer_times"),
                        "snapshot_nbytes": [r["snapshot_nbytes"] for r in on],
                        "estimate_nbytes": on[0]["estimate_nbytes"], "num_params": on[0]["num_params"],
                        "parts_s": {label: statistics.median(t for r in on for t in r["parts"][label])
                                    for label, *_ in PARTS}}
                 rows[stage].append(row)
                 print(f"round {round_} stage {stage}: step {row['off_s'] * 1e3:.0f} ms without snapshots, "
-                      f"{row['on_s'] * 1e3:.0f} ms with: {row['on_s'] / row['off_s']:.3f}x", flush=True)
+                      f"{row['on_s'] * 1e3:.0f} ms with: {row['on_s'] / row['off_s']:.3f}x (engine.step() "
+                      f"{row['optimizer_off_s'] * 1e3:.0f} -> {row['optimizer_on_s'] * 1e3:.0f} ms)", flush=True)
     print(f"\n{rows[stages[0]][0]['num_params'] / 1e6:.1f}M parameters, 2 ranks, a snapshot every step")
     print(f"{'stage':>5} {'without (ms)':>13} {'with (ms)':>10} {'ratio median':>12} {'range':>13} "
           f"{'shm/rank (MiB)':>15} {'estimate (MiB)':>15}")
