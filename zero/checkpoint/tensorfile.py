@@ -40,6 +40,7 @@ SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16:
 DTYPE_OF = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
 CRC_KEY = "crc32"  # metadata key: JSON {tensor name: 8 hex digits}
 WORD_SUM_KEY = "word_sum"  # metadata key: JSON {tensor name: 16 hex digits}
+HEX_DIGITS = {CRC_KEY: 8, WORD_SUM_KEY: 16}  # each checksum's fixed width in the header
 CHUNK_NBYTES = 1 << 20  # checksums stream through a buffer of this size
 
 
@@ -100,8 +101,7 @@ def add_word_sums(a: int, b: int) -> int:
 def _header_bytes(header: dict[str, object], metadata: dict[str, str], crcs: dict[str, int] | None,
                   key: str = CRC_KEY) -> bytes:
     if crcs is not None:
-        digits = 8 if key == CRC_KEY else 16
-        metadata = {**metadata, key: json.dumps({name: f"{crc:0{digits}x}" for name, crc in crcs.items()},
+        metadata = {**metadata, key: json.dumps({name: f"{crc:0{HEX_DIGITS[key]}x}" for name, crc in crcs.items()},
                                                 separators=(",", ":"))}
     if metadata:
         header = {**header, "__metadata__": metadata}
@@ -191,7 +191,7 @@ class MappedSafetensors:
 
     def address(self, name: str) -> int:
         """Where tensor `name`'s bytes start in memory (while the file is mapped)."""
-        return self._bytes(name).data_ptr()
+        return self.mapped.data_ptr() + self.data_start + self.header[name]["data_offsets"][0]
 
     def copy(self, fill: Fill, skip: Collection[str] = ()) -> None:
         """Each spec's tensor but those named in `skip` (asked for once, in order) into the file."""

@@ -154,8 +154,7 @@ class ZeroEngine:
             raise RuntimeError("zero: engine.step() inside no_sync(): leave the context first (as DeepSpeed)")
         if self.is_gradient_accumulation_boundary():
             snapshots = self.parts.snapshots
-            due = snapshots is not None
-            copies = snapshots.before_step(self.global_steps + 1, self.checkpoint_parts) if due else None
+            copies = None if snapshots is None else snapshots.before_step(self.global_steps + 1, self.checkpoint_parts)
             with self.step_log.timed("step"):
                 self._step_applied = self._take_step(copies)
                 if self._step_applied and self.lr_scheduler is not None:
