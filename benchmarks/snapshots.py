@@ -72,7 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stages", default="2,3")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds (each: without, with, per stage)")
-    p.add_argument("--steps", type=int, default=8, help="optimizer steps per run; the first --warmup are not timed")
+    p.add_argument("--steps", type=int, default=12,
+                   help="optimizer steps per run; the first --warmup are not timed (a backward varies by up to 25%%)")
     p.add_argument("--warmup", type=int, default=3,
                    help="untimed steps: the first, and the first two snapshots (they allocate their slots)")
     p.add_argument("--layers", type=int, default=12)

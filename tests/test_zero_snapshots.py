@@ -197,6 +197,30 @@ def test_a_host_replaced_or_lost_resumes_from_its_buddys_copy() -> None:
     assert alone[0]["lost"][:4] == ("memory", STOPPED, 0, {0: "own", 1: "copy by rank 0"})
 
 
+def unpicklable_state_worker(rank: int, world_size: int, root: str) -> list[str]:
+    engine = new_engine(root)
+    engine.snapshot_client_state = lambda: {"loader": object()}  # not plain data: a resume could not load it
+    train(engine, rank, world_size, until=1)
+    with pytest.raises(RuntimeError, match="snapshot of step 1 .* must be plain data") as info:
+        engine.parts.snapshots.wait()
+    assert isinstance(info.value.__cause__, ValueError)
+    engine.snapshot_client_state = lambda: {"loader": 7}
+    train(engine, rank, world_size, until=2)
+    engine.parts.snapshots.wait()
+    root = engine.parts.snapshots.root
+    complete = sorted(os.path.relpath(path, root) for path, _, names in os.walk(root) if "piece.json" in names)
+    engine.destroy()
+    return complete
+
+
+def test_a_snapshot_whose_client_state_is_not_plain_data_fails_and_is_not_kept() -> None:
+    """The engine state is checked on the snapshot's thread: its error reaches
+    the step after, and no piece of that step is complete."""
+    with tempfile.TemporaryDirectory(prefix="zero-snap-", dir="/dev/shm") as root:
+        complete, = run_ranks(unpicklable_state_worker, 1, root)
+    assert complete and all(path.startswith("step2") for path in complete), complete
+
+
 def test_options_and_buddies() -> None:
     assert parse({}) == SnapshotOptions()
     options = parse({"checkpoint": {"in_memory": {"enabled": True, "interval": 5, "replicas": 0, "async": False}}})

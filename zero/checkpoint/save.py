@@ -182,16 +182,23 @@ def agree(what: str, rank: int, failed: tuple[str | None, BaseException | None],
         raise failure(what, failures) from error
 
 
-def plain_bytes(state: dict) -> bytes:
-    """engine_state.pt's bytes, refused when they would not load as plain data."""
+def plain_bytes(state: dict, *, check: bool = True) -> bytes:
+    """engine_state.pt's bytes, refused when they would not load as plain data
+    (check=False: the caller checks them later, with check_plain)."""
     buffer = io.BytesIO()
     torch.save(state, buffer)
-    try:
-        torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
-    except Exception as error:
-        raise ValueError(f"save_checkpoint: the engine state (client_state included) must be plain data "
-                         f"(tensors, numbers, strings, lists, dicts) to load with weights_only=True: {error}") from None
+    if check:
+        check_plain(buffer.getvalue(), "save_checkpoint")
     return buffer.getvalue()
+
+
+def check_plain(data: bytes, what: str) -> None:
+    """A ValueError unless `data` (torch.save's) loads as plain data, as a resume loads it."""
+    try:
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as error:
+        raise ValueError(f"{what}: the engine state (client_state included) must be plain data "
+                         f"(tensors, numbers, strings, lists, dicts) to load with weights_only=True: {error}") from None
 
 
 def write_file(path: str, data: bytes) -> None:

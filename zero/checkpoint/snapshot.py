@@ -61,7 +61,8 @@ import torch
 from ..optim.host_adam import KINDS, StepCopies
 from .format import ENGINE_STATE, FORMAT, MODEL_STATES, NamedShard, manifest_entry, shard_file
 from .parts import CheckpointParts
-from .save import engine_state, module_tensors, named_shards, plain_bytes, shard_specs, state_dict_keys
+from .save import (check_plain, engine_state, module_tensors, named_shards, plain_bytes, shard_specs,
+                   state_dict_keys)
 from .snapshot_config import SnapshotOptions, default_path
 from .snapshot_wire import Mappings, Placement, Wire, recv_piece, send_piece, wait_all
 from .tensorfile import MappedSafetensors, SafetensorsReader, TensorSpec
@@ -164,8 +165,8 @@ class Snapshots:
         finishes the pieces (word sums, small files, a buddy's copy on another
         host) on a thread."""
         step = parts.progress.state_dict()["global_steps"]
-        small = {ENGINE_STATE: plain_bytes({**engine_state(parts, client_state), "rng": rng_state()}),
-                 MODEL_STATES: model_states_bytes(parts)}
+        small = {ENGINE_STATE: plain_bytes({**engine_state(parts, client_state), "rng": rng_state()}, check=False),
+                 MODEL_STATES: model_states_bytes(parts)}  # _finish checks the engine state loads
         slots, self._slots = self._slots, None
         with named_shards(parts) as shards:
             specs, fill, metadata = shard_specs(shards)
@@ -208,6 +209,7 @@ class Snapshots:
 
     def _finish(self, slots: Slots, small: dict[str, bytes]) -> None:
         try:
+            check_plain(small[ENGINE_STATE], "in-memory snapshot")
             own, *copies = slots.files
             written = slots.written()
             sums = own.sums(written)
