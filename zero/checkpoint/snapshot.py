@@ -30,8 +30,9 @@ word sums ([Note: copies in the step] in csrc/cpu/kernels/adam.cpp). After the
 step (take), the small states are pickled and what the step did not write (the
 step counts; every tensor for another optimizer, for NVMe offload, or before the
 moments exist) is copied into the own file. A thread then finishes the pieces
-while the next step runs: the missing word sums and the copy's missing tensors,
-the headers, the small files, piece.json; a buddy on another host receives the
+while the next step runs: the engine state's weights-only check (the step after
+a failed one raises), the missing word sums and the copy's missing tensors, the
+headers, the small files, piece.json; a buddy on another host receives the
 piece (snapshot_wire.py), and each directory is renamed from .partial when
 complete. Double-buffered: a rank keeps the last two steps, so a failure during
 a snapshot leaves the one before complete on every rank (ranks are at most one
