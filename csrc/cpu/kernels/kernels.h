@@ -21,7 +21,7 @@ namespace RINGCOMM_CPU_CAPABILITY {
 
 void reduce_n(void* dst, const void* const* srcs, int num_srcs, int64_t numel, DType dtype, RedOp op, int64_t divisor);
 void copy_bytes(void* dst, const void* src, int64_t nbytes);
-// memcpy through non-temporal stores where the build has them (AVX2); the
+// memcpy through non-temporal stores where the build has them (AVX2, AVX-512); the
 // caller issues fence_streams() before anyone else may read dst.
 void stream_bytes(void* dst, const void* src, int64_t nbytes);
 void fence_streams();
