@@ -25,7 +25,7 @@ from .core.on_import import after_import
 # Public name -> the module that defines it (relative to ringcomm).
 _HOMES = {
     "FlatBuffer": "buckets.buffer", "GradBucket": "buckets.buffer", "flat_buffers": "buckets.buffer",
-    "transport_allocator": "buckets.buffer",
+    "Spares": "buckets.buffer", "transport_allocator": "buckets.buffer",
     "all_gather_coalesced": "comm.coalesced", "reduce_scatter_coalesced": "comm.coalesced",
     "all_gather": "comm.collectives", "all_reduce": "comm.collectives", "barrier": "comm.collectives",
     "broadcast": "comm.collectives", "empty": "comm.collectives", "reduce_scatter": "comm.collectives",

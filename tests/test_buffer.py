@@ -1,11 +1,13 @@
-"""Single-process tests of FlatBuffer: views, rebinding, zeroing, re-ordering."""
+"""Single-process tests of FlatBuffer (views, rebinding, zeroing, re-ordering)
+and of the transient GradBuckets' spares."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn as nn
 
-from ringcomm.buckets.buffer import FlatBuffer, flat_buffers
+from ringcomm.buckets.buffer import FlatBuffer, GradBucket, Spares, flat_buffers
+from ringcomm.plan.layout import plan_buckets
 
 
 def _model() -> nn.Module:
@@ -87,3 +89,36 @@ def test_allocate_hook_is_used() -> None:
     param = nn.Parameter(torch.ones(5))
     buffer = FlatBuffer([param], world_size=4, bucket_bytes=1024, allocate=allocate)
     assert calls == [(8, torch.float32)] and buffer.grad.count_nonzero() == 0
+
+
+def test_a_released_transient_bucket_lends_its_storage_to_the_next_with_zero_padding() -> None:
+    """A released bucket's storage is taken by the next bucket that fits in it
+    (no allocation), the next one's padding is zero although the storage held
+    another bucket's values, and only the longest storage is kept."""
+    params = [nn.Parameter(torch.zeros(n)) for n in (5, 17, 3)]
+    layout = plan_buckets([p.numel() for p in params], world_size=4, bucket_numel=16)
+    spares = Spares()
+    buckets = [GradBucket(layout, k, [params[i] for i in span.param_indices], 1, sharded=True, spares=spares)
+               for k, span in enumerate(layout.buckets)]
+    big, small = sorted(buckets, key=lambda b: -b.span.numel)[:2]
+    assert big.span.numel > small.span.numel and small.span.numel > small.span.data_numel, layout.buckets
+    big.ensure().fill_(7.0)
+    storage = big.grad.data_ptr()
+    big.release()
+    grad = small.ensure()
+    assert grad.data_ptr() == storage, "the spare was not taken"
+    assert grad.numel() == small.span.numel and small.fresh
+    assert torch.count_nonzero(grad[small.span.data_numel:]) == 0, f"padding {grad[small.span.data_numel:]}"
+    assert big.ensure().data_ptr() != storage, "the storage in use was handed out twice"
+
+
+def test_spares_keep_the_longest_storage_of_each_kind() -> None:
+    spares, cpu = Spares(), torch.device("cpu")
+    short, long = torch.empty(8), torch.empty(32)
+    for order in ((short, long), (long, short)):
+        for storage in order:
+            spares.give(storage)
+        assert spares.take(32, torch.float32, cpu).data_ptr() == long.data_ptr(), f"order {[len(t) for t in order]}"
+    spares.give(short)
+    assert spares.take(9, torch.float32, cpu).data_ptr() != short.data_ptr(), "a spare too short was taken"
+    assert spares.take(4, torch.float64, cpu).dtype == torch.float64

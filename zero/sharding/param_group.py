@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from ringcomm import BufferLayout, GradBucket, OwnedBucketScheduler
+from ringcomm import BufferLayout, GradBucket, OwnedBucketScheduler, Spares
 from ringcomm.plan.schedule import Span
 
 from ..checkpoint.format import NamedShard
@@ -82,11 +82,12 @@ class ParamGroup:
         self.buckets = buckets
         self.policy = policy
         self.comm = comm
+        spares = Spares()  # the transient buckets' storage, kept from one backward to the next
         for bucket in buckets:
             persistent = None if policy.shard_grads else torch.zeros(
                 bucket.span.numel, dtype=bucket.shard.dtype, device=bucket.shard.device)
             bucket.grads = GradBucket(bucket.layout, bucket.span.index, bucket.params, comm.rank,
-                                      persistent=persistent, sharded=policy.shard_grads)
+                                      persistent=persistent, sharded=policy.shard_grads, spares=spares)
         mode = "reduce_scatter" if policy.shard_optimizer else "all_reduce"
         self.quantized_weights = False
         self.partition_comm: Comm | None = None
