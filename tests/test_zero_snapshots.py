@@ -239,3 +239,30 @@ def test_options_and_buddies() -> None:
     assert Placement.of(["a"]).buddy(0) is None
     assert expired([3, 4, 5], 6) == [3, 4] and expired([10, 15], 20) == [10]  # the newest before stays
     assert expired([5, 6, 7], 6) == [] and expired([], 1) == []  # (7: a step after a resume, replaced later)
+
+
+def test_a_snapshot_file_starts_its_whole_line_tensors_on_cache_lines() -> None:
+    """The fused step streams whole cache lines into a snapshot's tensors: the
+    shard file lays out those of whole lines first, after a header padded to a
+    line, and stays a safetensors file (read back by the safetensors library)."""
+    from safetensors import safe_open
+
+    from zero.checkpoint.tensorfile import MappedSafetensors, SafetensorsReader, TensorSpec
+
+    tensors = {"a:step": torch.tensor(3.0), "a:master": torch.randn(37), "b:master": torch.randn(64),
+               "b:step": torch.tensor(4.0), "c:master": torch.randn(5, 48), "d:ids": torch.arange(3)}
+    specs = [TensorSpec(name, tuple(t.shape), t.dtype) for name, t in tensors.items()]
+    with tempfile.TemporaryDirectory(prefix="zero-snap-", dir="/dev/shm") as root:
+        path = os.path.join(root, "shard.safetensors")
+        file = MappedSafetensors(path, specs, {"format": "test"})
+        for name in ("b:master", "c:master"):
+            assert file.address(name) % 64 == 0, f"{name} starts at {file.address(name) % 64} bytes into a line"
+        file.copy(lambda spec: tensors[spec.name])
+        file.finish(file.final_header(file.sums({})))
+        with SafetensorsReader(path) as reader:
+            for name in tensors:
+                reader.verify(name)
+        with safe_open(path, framework="pt") as opened:
+            assert sorted(opened.keys()) == sorted(tensors)
+            for name, tensor in tensors.items():
+                assert torch.equal(opened.get_tensor(name), tensor), name

@@ -91,10 +91,12 @@ def file_crc32(path: str) -> int:
     return crc
 
 
-def manifest_entry(path: str, *, crc: bool = False, header_crc: int | None = None) -> dict:
+def manifest_entry(path: str, *, crc: bool | int = False, header_crc: int | None = None) -> dict:
+    """A file's manifest entry: its size and, with crc, its crc32 (True: read
+    from the file; an int: known) or its header's (a safetensors file's)."""
     entry: dict[str, object] = {"nbytes": os.path.getsize(path)}
-    if crc:
-        entry["crc32"] = f"{file_crc32(path):08x}"
+    if crc is not False:
+        entry["crc32"] = f"{file_crc32(path) if crc is True else crc:08x}"
     if header_crc is not None:
         entry["header_crc32"] = f"{header_crc:08x}"
     return entry

@@ -52,7 +52,6 @@ import os
 import random
 import re
 import shutil
-import threading
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -65,7 +64,7 @@ from .parts import CheckpointParts
 from .save import (check_plain, engine_state, module_tensors, named_shards, plain_bytes, shard_specs,
                    state_dict_keys)
 from .snapshot_config import SnapshotOptions, default_path
-from .snapshot_wire import Mappings, Placement, Wire, recv_piece, send_piece, wait_all
+from .snapshot_wire import Mappings, Placement, Wire, Worker, recv_piece, send_piece, wait_all
 from .tensorfile import MappedSafetensors, SafetensorsReader, TensorSpec
 
 PIECE = "piece.json"
@@ -122,7 +121,7 @@ class Snapshots:
         # own piece and its copy on this host, copies from sources on other hosts: 2 steps each, room to spare
         self.mappings = Mappings(capacity=4 + 4 * len(self.sources))
         self._slots: Slots | None = None  # opened before a step that is due
-        self._thread: threading.Thread | None = None
+        self._worker = Worker(f"zero-snapshots-rank{rank}")
         self._error: BaseException | None = None
         self._step: int | None = None
         os.makedirs(os.path.join(self.root, "progress"), exist_ok=True)
@@ -180,15 +179,11 @@ class Snapshots:
             self._finish(slots, small)
             self._raise()
             return
-        self._thread = threading.Thread(target=self._finish, args=(slots, small), daemon=True,
-                                        name=f"zero-snapshot-{step}")
-        self._thread.start()
+        self._worker.submit(self._finish, slots, small)
 
     def wait(self) -> None:
         """Returns once the pending snapshot is complete (copied, renamed)."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self._worker.wait()
         self._raise()
 
     def _raise(self) -> None:
@@ -213,16 +208,17 @@ class Snapshots:
             check_plain(small[ENGINE_STATE], "in-memory snapshot")
             own, *copies = slots.files
             written = slots.written()
-            sums = own.sums(written)
+            header = own.final_header(own.sums(written))
             for copy in copies:
                 copy.copy_from(own, [spec.name for spec in slots.specs if spec.name not in written])
-                copy.finish(sums)
-            own.finish(sums)
+                copy.finish(header)
+            own.finish(header)
+            checksummed = {os.path.basename(own.path): header, **small}
             for directory, partial in slots.dirs:
                 for name, data in small.items():
                     with open(os.path.join(partial, name), "wb") as f:
                         f.write(data)
-                write_piece_json(partial, slots.step, self.rank, self.world_size)
+                write_piece_json(partial, slots.step, self.rank, self.world_size, checksummed)
                 os.rename(partial, directory)
             self._exchange(slots.step, slots.dirs[0][0])
             for old in expired(steps_in(self.root), slots.step):
@@ -290,6 +286,7 @@ class Snapshots:
         try:
             self.wait()
         finally:
+            self._worker.stop()
             self.wire.release()
             self.mappings.clear()
 
@@ -341,16 +338,22 @@ def model_states_bytes(parts: CheckpointParts) -> bytes:
     return buffer.getvalue()
 
 
-def write_piece_json(directory: str, step: int, rank: int, world_size: int) -> None:
-    """piece.json, last: what restore checks each file against (as a checkpoint's manifest)."""
+def write_piece_json(directory: str, step: int, rank: int, world_size: int, checksummed: dict[str, bytes]) -> None:
+    """piece.json, last: what restore checks each file against (as a checkpoint's
+    manifest). checksummed: by file name, the bytes its checksum covers (a
+    shard file's header, a small file's whole), as the writer has them; a file
+    it lacks is read."""
+    known = dict(checksummed)
     files = {}
     for name in sorted(set(os.listdir(directory)) - {PIECE}):
         path = os.path.join(directory, name)
         if name.endswith(".safetensors"):
-            with SafetensorsReader(path) as reader:
-                files[name] = manifest_entry(path, header_crc=zlib.crc32(reader.header_bytes))
+            if name not in known:
+                with SafetensorsReader(path) as reader:
+                    known[name] = reader.header_bytes
+            files[name] = manifest_entry(path, header_crc=zlib.crc32(known[name]))
         else:
-            files[name] = manifest_entry(path, crc=True)
+            files[name] = manifest_entry(path, crc=zlib.crc32(known[name]) if name in known else True)
     piece = {"format": FORMAT, "step": step, "rank": rank, "world_size": world_size, "files": files}
     with open(os.path.join(directory, PIECE), "w") as f:
         json.dump(piece, f)

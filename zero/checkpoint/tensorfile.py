@@ -16,6 +16,7 @@ than RAM can be written and consolidated with a bounded buffer.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -42,6 +43,7 @@ CRC_KEY = "crc32"  # metadata key: JSON {tensor name: 8 hex digits}
 WORD_SUM_KEY = "word_sum"  # metadata key: JSON {tensor name: 16 hex digits}
 HEX_DIGITS = {CRC_KEY: 8, WORD_SUM_KEY: 16}  # each checksum's fixed width in the header
 CHUNK_NBYTES = 1 << 20  # checksums stream through a buffer of this size
+LINE = 64  # bytes: MappedSafetensors starts its tensors on cache lines (the fused step streams whole lines there)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,27 +101,40 @@ def add_word_sums(a: int, b: int) -> int:
 
 
 def _header_bytes(header: dict[str, object], metadata: dict[str, str], crcs: dict[str, int] | None,
-                  key: str = CRC_KEY) -> bytes:
+                  key: str = CRC_KEY, align: int = 8) -> bytes:
     if crcs is not None:
         metadata = {**metadata, key: json.dumps({name: f"{crc:0{HEX_DIGITS[key]}x}" for name, crc in crcs.items()},
                                                 separators=(",", ":"))}
     if metadata:
         header = {**header, "__metadata__": metadata}
     raw = json.dumps(header, separators=(",", ":")).encode()
-    return raw + b" " * (-len(raw) % 8)  # the format allows trailing spaces; 8-byte alignment of the data
+    return raw + b" " * (-(8 + len(raw)) % align)  # the format allows trailing spaces: the data starts aligned
 
 
-def _plan_header(specs: Sequence[TensorSpec], what: str) -> tuple[dict[str, object], int]:
-    """safetensors' header entries for `specs`, laid out in order, and the data's byte count."""
+def _plan_header(specs: Sequence[TensorSpec], what: str, *, lines: bool = False) -> tuple[dict[str, object], int]:
+    """safetensors' header entries for `specs`, laid out in order, and the data's
+    byte count. lines=True lays out first the tensors of whole cache lines, so
+    that each of them starts on one when the data does (the format allows no
+    gaps between tensors, but any order)."""
     header: dict[str, object] = {}
     offset = 0
-    for spec in specs:
+    for spec in sorted(specs, key=lambda s: s.nbytes % LINE != 0) if lines else specs:
         if spec.dtype not in SAFETENSORS_DTYPES:
             raise TypeError(f"{what}: {spec.name}: dtype {spec.dtype} has no safetensors code")
         header[spec.name] = {"dtype": SAFETENSORS_DTYPES[spec.dtype], "shape": list(spec.shape),
                              "data_offsets": [offset, offset + spec.nbytes]}
         offset += spec.nbytes
     return header, offset
+
+
+@functools.lru_cache(maxsize=4)
+def _mapped_layout(specs: tuple[TensorSpec, ...], metadata: tuple[tuple[str, str], ...]) -> tuple[dict, int, bytes]:
+    """MappedSafetensors' header entries (read only), data byte count and first
+    header (sums 0): the same for each snapshot of a run (its own piece's file
+    and its copy's, every step), so planned once."""
+    header, nbytes = _plan_header(specs, "MappedSafetensors", lines=True)
+    raw = _header_bytes(header, dict(metadata), {spec.name: 0 for spec in specs}, WORD_SUM_KEY, align=LINE)
+    return header, nbytes, raw
 
 
 def write_safetensors(path: str, specs: Sequence[TensorSpec], fill: Fill, metadata: dict[str, str] | None = None,
@@ -175,15 +190,14 @@ class MappedSafetensors:
         nbytes; default a new mapping (a caller may keep them: its pages are
         then not faulted in again)."""
         self.path, self.specs, self.metadata = path, list(specs), metadata
-        self.header, nbytes = _plan_header(self.specs, "MappedSafetensors")
-        raw = self._header({spec.name: 0 for spec in self.specs})
+        self.header, nbytes, raw = _mapped_layout(tuple(self.specs), tuple(metadata.items()))
         self.data_start, total = 8 + len(raw), 8 + len(raw) + nbytes
         self.mapped: torch.Tensor | None = (mapping or map_file)(path, total)
         self.mapped[:8].copy_(torch.frombuffer(bytearray(struct.pack("<Q", len(raw))), dtype=torch.uint8))
         self.mapped[8:self.data_start].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
 
     def _header(self, sums: dict[str, int]) -> bytes:
-        return _header_bytes(self.header, self.metadata, sums, WORD_SUM_KEY)
+        return _header_bytes(self.header, self.metadata, sums, WORD_SUM_KEY, align=LINE)
 
     def _bytes(self, name: str) -> torch.Tensor:
         begin, end = self.header[name]["data_offsets"]
@@ -214,11 +228,15 @@ class MappedSafetensors:
         return {spec.name: known[spec.name] if spec.name in known else word_sum(self._bytes(spec.name))
                 for spec in self.specs}
 
-    def finish(self, sums: dict[str, int]) -> None:
-        """The word sums (sums()) into the header; unmaps the file."""
+    def final_header(self, sums: dict[str, int]) -> bytes:
+        """The header with the word sums (sums()): what finish() writes (the same for a file of the same specs)."""
         raw = self._header(sums)
         assert 8 + len(raw) == self.data_start, f"MappedSafetensors({self.path}): the header changed length"
-        self.mapped[8:self.data_start].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+        return raw
+
+    def finish(self, header: bytes) -> None:
+        """Writes the final header (final_header()); unmaps the file."""
+        self.mapped[8:self.data_start].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
         self.mapped = None
 
 
