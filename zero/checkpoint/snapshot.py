@@ -65,7 +65,7 @@ from .save import (check_plain, engine_state, module_tensors, named_shards, plai
                    state_dict_keys)
 from .snapshot_config import SnapshotOptions, default_path
 from .snapshot_wire import Mappings, Placement, Wire, Worker, recv_piece, send_piece, wait_all
-from .tensorfile import MappedSafetensors, SafetensorsReader, TensorSpec
+from .tensorfile import MappedSafetensors, TensorSpec
 
 PIECE = "piece.json"
 STEP = re.compile(r"step(\d+)$")
@@ -340,20 +340,13 @@ def model_states_bytes(parts: CheckpointParts) -> bytes:
 
 def write_piece_json(directory: str, step: int, rank: int, world_size: int, checksummed: dict[str, bytes]) -> None:
     """piece.json, last: what restore checks each file against (as a checkpoint's
-    manifest). checksummed: by file name, the bytes its checksum covers (a
-    shard file's header, a small file's whole), as the writer has them; a file
-    it lacks is read."""
-    known = dict(checksummed)
+    manifest). checksummed: each file of the piece by name, with the bytes its
+    checksum covers (a shard file's header, a small file's whole), as the writer has them."""
     files = {}
-    for name in sorted(set(os.listdir(directory)) - {PIECE}):
-        path = os.path.join(directory, name)
-        if name.endswith(".safetensors"):
-            if name not in known:
-                with SafetensorsReader(path) as reader:
-                    known[name] = reader.header_bytes
-            files[name] = manifest_entry(path, header_crc=zlib.crc32(known[name]))
-        else:
-            files[name] = manifest_entry(path, crc=zlib.crc32(known[name]) if name in known else True)
+    for name, data in sorted(checksummed.items()):
+        path, crc = os.path.join(directory, name), zlib.crc32(data)
+        files[name] = manifest_entry(path, header_crc=crc) if name.endswith(".safetensors") else \
+            manifest_entry(path, crc=crc)
     piece = {"format": FORMAT, "step": step, "rank": rank, "world_size": world_size, "files": files}
     with open(os.path.join(directory, PIECE), "w") as f:
         json.dump(piece, f)
