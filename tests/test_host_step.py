@@ -94,3 +94,36 @@ def test_step_copies_hold_the_updated_values_and_their_word_sums(num_copies) -> 
             want = [numpy_word_sum(v.numpy().tobytes()) for v in values]
             assert copies.sums[(ours.data_ptr(), numel)] == want, f"{case} step {step}: word sums"
     torch.set_num_threads(threads)
+
+
+def test_a_step_copy_may_be_the_moments_themselves() -> None:
+    """A snapshot whose file holds the optimizer's moments passes their own
+    addresses: the step updates them in place, streams the other copy, and
+    returns the same word sums; a target that overlaps a state otherwise is refused."""
+    numel, g = 8192 * 2 + 37, torch.Generator().manual_seed(7)
+    initial, grads = torch.randn(numel, generator=g), [torch.randn(numel, generator=g) for _ in range(2)]
+    params = [initial.clone().requires_grad_() for _ in range(2)]
+    opts = [torch.optim.AdamW([p], lr=1e-2, weight_decay=0.1) for p in params]
+    other = [torch.zeros(numel) for _ in range(3)]
+    ours = params[0]
+    for grad in grads:
+        for p in params:
+            p.grad = grad.clone()
+        state = opts[0].state[ours]
+        home = [ours.data_ptr(), state["exp_avg"].data_ptr(), state["exp_avg_sq"].data_ptr()] if state else None
+        copies = host_adam.StepCopies({(ours.data_ptr(), numel): (home or [t.data_ptr() for t in other])
+                                       + [t.data_ptr() for t in other]})
+        host_adam.adam_step(opts[0], 0.5, {}, copies)
+        host_adam.adam_step(opts[1], 0.5, {})
+        values = [p.detach(), opts[0].state[ours]["exp_avg"], opts[0].state[ours]["exp_avg_sq"]]
+        plain = [params[1].detach(), opts[1].state[params[1]]["exp_avg"], opts[1].state[params[1]]["exp_avg_sq"]]
+        for kind, value, want, copy in zip(host_adam.KINDS, values, plain, other):
+            assert torch.equal(value, want), f"{kind}: the step with itself as a copy differs"
+            assert torch.equal(copy, want), f"{kind}: the streamed copy differs"
+        assert copies.sums[(ours.data_ptr(), numel)] == [numpy_word_sum(v.numpy().tobytes()) for v in plain]
+    p = params[0]
+    p.grad = grads[0].clone()
+    exp_avg = opts[0].state[p]["exp_avg"]
+    shifted = [p.data_ptr(), exp_avg.data_ptr() + 64, opts[0].state[p]["exp_avg_sq"].data_ptr()]
+    with pytest.raises(ValueError, match="overlaps the state it copies"):
+        host_adam.adam_step(opts[0], 0.5, {}, host_adam.StepCopies({(p.data_ptr(), numel): shifted}))

@@ -17,7 +17,9 @@ struct AdamHyper {
 // Where the step also writes the updated master and moments (an in-memory
 // snapshot's slots: zero/checkpoint/snapshot.py), through non-temporal stores
 // while the values are in cache, and their word sums ([Note: word sums] in
-// checksum.h), computed from the same cached values.
+// checksum.h), computed from the same cached values. A target that is the
+// state itself (a snapshot's moments living in its file) is only summed; one
+// that overlaps it otherwise is refused.
 struct AdamCopies {
   static constexpr int kMaxCopies = 2;
   float* to[kMaxCopies][3] = {};  // [copy][0: master, 1: exp_avg, 2: exp_avg_sq], numel floats each

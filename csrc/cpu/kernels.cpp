@@ -72,10 +72,16 @@ void adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_s
     throw std::invalid_argument("adam_step: " + std::to_string(copies->count) + " copies, at most " +
                                 std::to_string(AdamCopies::kMaxCopies));
   }
+  const float* const state[3] = {param, exp_avg, exp_avg_sq};
   for (int j = 0; copies != nullptr && j < copies->count; ++j) {
-    for (const float* to : copies->to[j]) {
+    for (int k = 0; k < 3; ++k) {
+      const float* to = copies->to[j][k];
       if (to == nullptr && numel > 0) {
         throw std::invalid_argument("adam_step: copy " + std::to_string(j) + " has a null target");
+      }
+      if (to != state[k] && to < state[k] + numel && state[k] < to + numel) {  // the state itself is allowed
+        throw std::invalid_argument("adam_step: copy " + std::to_string(j) + " of state " + std::to_string(k) +
+                                    " overlaps the state it copies");
       }
     }
   }

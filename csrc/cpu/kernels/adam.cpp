@@ -51,12 +51,14 @@ void update(float* __restrict__ param, const float* __restrict__ grad, float* __
 // streamed to every copy and added to the word sums. A copy then costs only
 // its writes, which non-temporal stores send past the caches; a copy after
 // the step would read the 3 x numel floats from memory again, and a checksum
-// of the copy would read them a third time.
+// of the copy would read them a third time. A copy's address may be the state
+// itself (a snapshot's moments updated in place): it is then only summed.
 constexpr int64_t kCopyBlock = 8192;  // floats: 4 streams of 32 KiB stay in L2
 
 void copy_block(float* const state[3], AdamCopies& copies, int64_t begin, int64_t end, WordSum sums[3]) {
   for (int k = 0; k < 3; ++k) {
     for (int j = 0; j < copies.count; ++j) {
+      if (copies.to[j][k] == state[k]) continue;
       stream_bytes(copies.to[j][k] + begin, state[k] + begin, (end - begin) * int64_t{sizeof(float)});
     }
     sums[k].add(word_sum_of(reinterpret_cast<const uint32_t*>(state[k] + begin), end - begin, begin));
