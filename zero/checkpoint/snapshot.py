@@ -25,8 +25,9 @@ train (benchmarks/snapshots.py). So each byte is written once and read never:
 before a step that is due (before_step), the rank opens its slots (its own
 shard file and, on its host, its buddy's copy, through kept shared mappings)
 and hands the fused Adam step their addresses; the step writes each updated
-master and moment into both, while the values are in cache, and returns their
-word sums ([Note: copies in the step] in csrc/cpu/kernels/adam.cpp). After the
+master and moment into both (the moments of the own piece are updated where
+they live: [Note: moments in the own piece]), while the values are in cache,
+and returns their word sums ([Note: copies in the step] in csrc/cpu/kernels/adam.cpp). After the
 step (take), the small states are pickled and what the step did not write (the
 step counts; every tensor for another optimizer, for NVMe offload, or before the
 moments exist) is copied into the own file. A thread then finishes the pieces
@@ -34,75 +35,52 @@ while the next step runs: the engine state's weights-only check (the step after
 a failed one raises), the missing word sums and the copy's missing tensors, the
 headers, the small files, piece.json; a buddy on another host receives the
 piece (snapshot_wire.py), and each directory is renamed from .partial when
-complete. Double-buffered: a rank keeps the last two steps, so a failure during
-a snapshot leaves the one before complete on every rank (ranks are at most one
+complete. Double-buffered: a rank keeps the last two steps (on one host, of
+its buddy's copy: [Note: moments in the own piece]), so a failure during a
+snapshot leaves the one before complete for every rank (ranks are at most one
 snapshot apart: a step's collectives wait for every rank; `expired` says which
 older steps go). A new snapshot is written over the files of the one before the
 last, in place: tmpfs then allocates, zeroes and frees no page per step.
 Resuming from them: snapshot_restore.py. With NVMe offload the shards are read
 from the swap files by the main thread (a copy, not a reference), before the
 next step.
+
+[Note: moments in the own piece]
+With a buddy's copy on the same host (one host, replicas 1), the own piece is
+one file, and the optimizer's moments of the shards the step writes are views
+of it: copied there once (_home: the first snapshot after they exist, or
+after a load replaced them), then the fused step updates them in place. The
+step then streams 16 bytes per owned parameter instead of 24 (the masters into
+the own piece; masters and moments into the buddy's copy): ~20 ms of a
+100M-parameter model's step on 2 ranks (benchmarks/snapshots.py), and the
+moments are not held twice (memory_report counts them once, as the
+optimizer's). The own piece moves on to each new step's folder and is partial
+(.partial, no piece.json) while a step changes it: the step it is taken in, and
+each step between snapshots (_unpublish_own). The step before then stands in
+the buddy's copy, which keeps two steps. Across hosts the own piece stays
+double-buffered and the moments stay where the optimizer made them: a host
+lost while the own piece is partial would take with it the only copy of the
+step before (the buddy's), and the survivors could not resume.
 """
 from __future__ import annotations
 
 import contextlib
-import io
-import json
 import os
-import random
-import re
 import shutil
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from ..optim.host_adam import KINDS, StepCopies
-from .format import ENGINE_STATE, FORMAT, MODEL_STATES, NamedShard, manifest_entry, shard_file
+from .format import ENGINE_STATE, MODEL_STATES, NamedShard, shard_file
 from .parts import CheckpointParts
-from .save import (check_plain, engine_state, module_tensors, named_shards, plain_bytes, shard_specs,
-                   state_dict_keys)
+from .save import check_plain, engine_state, named_shards, plain_bytes, shard_specs
 from .snapshot_config import SnapshotOptions, default_path
+from .snapshot_piece import (PIECE, PIECE_DIR, expired, held_nbytes, model_states_bytes, piece_dir, rng_state,
+                             steps_in, write_piece_json)
 from .snapshot_wire import Mappings, Placement, Wire, Worker, recv_piece, send_piece, wait_all
 from .tensorfile import MappedSafetensors, TensorSpec
-
-PIECE = "piece.json"
-STEP = re.compile(r"step(\d+)$")
-PIECE_DIR = re.compile(r"rank(\d+)_of(\d+)\.by(\d+)$")
-
-
-def piece_dir(root: str, step: int, rank: int, world_size: int, holder: int) -> str:
-    return os.path.join(root, f"step{step}", f"rank{rank}_of{world_size}.by{holder}")
-
-
-def steps_in(root: str) -> list[int]:
-    names = os.listdir(root) if os.path.isdir(root) else []
-    return sorted(int(m.group(1)) for m in map(STEP.match, names) if m)
-
-
-def expired(steps: list[int], step: int) -> list[int]:
-    """Of the snapshot folders' steps, those a snapshot of `step` no longer
-    needs: all older than the newest one before it (double buffering)."""
-    return [s for s in steps if s < step][:-1]
-
-
-def rng_state() -> dict:
-    """This process's random number generators, as plain data."""
-    version, internal, gauss = random.getstate()
-    state = {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss]}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
 
 class Snapshots:
     """This rank's side of the in-memory snapshots: taking them, and the
@@ -118,6 +96,10 @@ class Snapshots:
         self.placement = Placement.gather(timeout_s)
         buddy = self.placement.buddy(rank) if options.replicas else None
         self.buddy, self.sources = buddy, (self.placement.sources(rank) if options.replicas else [])
+        # [Note: moments in the own piece]: with a buddy's copy on this host, the own piece is one and holds the moments
+        self.live = buddy is not None and self.placement.same_host(rank, buddy)
+        self._homed: list[tuple[dict, torch.Tensor, str, int]] = []  # (optimizer.state, param, kind, its address)
+        self._own_specs: list[TensorSpec] | None = None  # the layout of the own piece the moments live in
         # own piece and its copy on this host, copies from sources on other hosts: 2 steps each, room to spare
         self.mappings = Mappings(capacity=4 + 4 * len(self.sources))
         self._slots: Slots | None = None  # opened before a step that is due
@@ -132,14 +114,19 @@ class Snapshots:
         slots and returns where the fused step writes into them ([Note: the
         step writes the snapshot]); None when it is not due or no shard can."""
         if step % self.options.interval != 0:
+            self._unpublish_own()
             return None
         self.wait()
-        with named_shards(parts()) as shards:
+        parts = parts()
+        with named_shards(parts) as shards:
             targets = {(s.tensors["master"].data_ptr(), s.numel): s.key for s in shards if written_by_step(s)}
             if not targets:
+                self._unpublish_own()
                 return None
             specs, _, metadata = shard_specs(shards)
         slots = self._open(step, specs, metadata)
+        if self.live:
+            self._home(parts.optimizer, slots.files[0], targets)
         slots.copies = StepCopies({ptr: [f.address(f"{key}:{kind}") for f in slots.files for kind in KINDS]
                                    for ptr, key in targets.items()})
         slots.keys = targets
@@ -193,15 +180,69 @@ class Snapshots:
                                f"{self.root} failed: {type(error).__name__}: {error}") from error
 
     def _open(self, step: int, specs: list[TensorSpec], metadata: dict[str, str]) -> Slots:
-        """The slots of this rank's piece of `step`: its own and, on this host, its buddy's copy."""
+        """The slots of this rank's piece of `step`: its own and, on this host, its
+        buddy's copy. With the buddy on this host the own piece moves on from the
+        last step (the moments live in it) while its layout stays; a new layout
+        first hands the moments back to the optimizer."""
+        if self.live and specs != self._own_specs:
+            self._unhome()
         holders = [self.rank]
         if self.buddy is not None and self.placement.same_host(self.rank, self.buddy):
             holders.append(self.buddy)
         dirs = [piece_dir(self.root, step, self.rank, self.world_size, holder) for holder in holders]
-        partials = [self._slot(directory, step) for directory in dirs]
+        moved = self.live and specs == self._own_specs
+        partials = [self._slot(directory, step, moved=moved and i == 0) for i, directory in enumerate(dirs)]
         files = [MappedSafetensors(shard_file(partial, self.rank, self.world_size), specs, metadata, self.mappings)
                  for partial in partials]
+        self._own_specs = specs if self.live else None
         return Slots(step, list(zip(dirs, partials)), files, specs)
+
+    def _home(self, optimizer: torch.optim.Optimizer, own: MappedSafetensors,
+              targets: dict[tuple[int, int], str]) -> None:
+        """[Note: moments in the own piece]: the moments of the shards the step
+        writes become views of the own piece's file (copied there when they are
+        elsewhere: the first snapshot, after a load); the step updates them in place."""
+        params = {(p.data_ptr(), p.numel()): p for group in optimizer.param_groups for p in group["params"]}
+        self._homed = []
+        for ptr, key in targets.items():
+            if ptr not in params:
+                continue  # not the optimizer's: the step streams its copies
+            state = optimizer.state[params[ptr]]
+            for kind in KINDS[1:]:
+                name = f"{key}:{kind}"
+                if state[kind].data_ptr() != own.address(name):
+                    state[kind] = own.tensor(name).copy_(state[kind])
+                self._homed.append((optimizer.state, params[ptr], kind, own.address(name)))
+
+    def _unhome(self) -> None:
+        """The moments living in the own piece become the optimizer's own copies
+        (before the file is laid out anew over them)."""
+        for states, param, kind, address in self._homed:
+            tensor = states.get(param, {}).get(kind)
+            if isinstance(tensor, torch.Tensor) and tensor.data_ptr() == address:
+                states[param][kind] = tensor.clone()
+        self._homed = []
+
+    def _unpublish_own(self) -> None:
+        """Before a step that updates the moments in the own piece without
+        snapshotting them: the last snapshot's own piece becomes partial again
+        (its buddy's copies stay complete)."""
+        if not self._homed:
+            return
+        self.wait()
+        for directory in self._own_dirs():
+            parent, name = os.path.split(directory)
+            if not name.startswith("."):
+                partial = os.path.join(parent, f".{name}.partial")
+                os.rename(directory, partial)
+                os.remove(os.path.join(partial, PIECE))
+
+    def _own_dirs(self) -> list[str]:
+        """This rank's own piece directories and .partial ones, in every step's folder, newest first."""
+        name = os.path.basename(piece_dir(self.root, 0, self.rank, self.world_size, self.rank))
+        folders = (os.path.join(self.root, f"step{s}") for s in reversed(steps_in(self.root)))
+        return [d for folder in folders for d in (os.path.join(folder, name), os.path.join(folder, f".{name}.partial"))
+                if os.path.isdir(d)]
 
     def _finish(self, slots: Slots, small: dict[str, bytes]) -> None:
         try:
@@ -241,18 +282,19 @@ class Snapshots:
             os.rename(partial, copy)
         wait_all(works)
 
-    def _slot(self, directory: str, step: int) -> str:
+    def _slot(self, directory: str, step: int, *, moved: bool = False) -> str:
         """The .partial directory to write `directory` in (renamed to it when
-        complete): the same piece's directory of an older step, recycled (its
-        files are overwritten in place: no page of shared memory is allocated
-        or freed), a killed snapshot's, or a new one. Its piece.json is gone
-        until the piece is complete again."""
+        complete): the same piece's directory of an expired step (or, `moved`,
+        the own piece's newest), recycled (its files are overwritten in place:
+        no page of shared memory is allocated or freed), a killed snapshot's, or
+        a new one. Its piece.json is gone until the piece is complete again."""
         parent, name = os.path.split(directory)
         partial = os.path.join(parent, f".{name}.partial")
         os.makedirs(parent, exist_ok=True)
         shutil.rmtree(directory, ignore_errors=True)  # a step taken again after a resume
         if not os.path.isdir(partial):
-            old = (os.path.join(self.root, f"step{s}", name) for s in expired(steps_in(self.root), step))
+            old = self._own_dirs() if moved else \
+                (os.path.join(self.root, f"step{s}", name) for s in expired(steps_in(self.root), step))
             recycled = next((d for d in old if os.path.isdir(d)), None)
             if recycled is not None:
                 os.rename(recycled, partial)
@@ -278,8 +320,14 @@ class Snapshots:
         return holder == self.rank
 
     def nbytes(self) -> int:
-        """Shared memory this rank's snapshots hold: the last two steps' pieces and copies it wrote."""
-        return sum(held_nbytes(d) for step in steps_in(self.root)[-2:] for d in self.held(step))
+        """Shared memory this rank's snapshots add: the last two steps' pieces and
+        copies it wrote, and its own piece (also between snapshots), less the
+        optimizer's moments that live in it (memory_report counts them as the optimizer's)."""
+        dirs = {d for step in steps_in(self.root)[-2:] for d in self.held(step)}
+        dirs.update(self._own_dirs()[:1] if self.live else [])
+        homed = sum(t.nbytes for states, param, kind, address in self._homed
+                    if isinstance(t := states.get(param, {}).get(kind), torch.Tensor) and t.data_ptr() == address)
+        return sum(held_nbytes(d) for d in dirs) - homed
 
     def close(self) -> None:
         """Waits for the pending snapshot; releases the group and the mappings."""
@@ -293,6 +341,8 @@ class Snapshots:
     def remove(self) -> None:
         """Removes what this rank wrote (the end of a run that finished): pieces, copies, progress."""
         self.wait()
+        for directory in self._own_dirs():
+            shutil.rmtree(directory, ignore_errors=True)
         for step in steps_in(self.root):
             for directory in self.held(step):
                 shutil.rmtree(directory, ignore_errors=True)
@@ -328,31 +378,3 @@ def written_by_step(shard: NamedShard) -> bool:
     return shard.numel > 0 and all(isinstance(t, torch.Tensor) and t.dtype == torch.float32 and
                                    t.device.type == "cpu" and t.is_contiguous() and t.numel() == shard.numel
                                    for t in tensors)
-
-
-def model_states_bytes(parts: CheckpointParts) -> bytes:
-    """model_states.pt of a piece: the buffers and frozen parameters (the trainable ones are in the shards)."""
-    tensor = module_tensors(parts)
-    buffer = io.BytesIO()
-    torch.save({key: tensor(key).clone() for key, index in state_dict_keys(parts) if index is None}, buffer)
-    return buffer.getvalue()
-
-
-def write_piece_json(directory: str, step: int, rank: int, world_size: int, checksummed: dict[str, bytes]) -> None:
-    """piece.json, last: what restore checks each file against (as a checkpoint's
-    manifest). checksummed: each file of the piece by name, with the bytes its
-    checksum covers (a shard file's header, a small file's whole), as the writer has them."""
-    files = {}
-    for name, data in sorted(checksummed.items()):
-        path, crc = os.path.join(directory, name), zlib.crc32(data)
-        files[name] = manifest_entry(path, header_crc=crc) if name.endswith(".safetensors") else \
-            manifest_entry(path, crc=crc)
-    piece = {"format": FORMAT, "step": step, "rank": rank, "world_size": world_size, "files": files}
-    with open(os.path.join(directory, PIECE), "w") as f:
-        json.dump(piece, f)
-
-
-def held_nbytes(directory: str) -> int:
-    with contextlib.suppress(OSError):
-        return sum(os.path.getsize(os.path.join(directory, n)) for n in os.listdir(directory))
-    return 0

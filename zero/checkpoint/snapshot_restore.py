@@ -37,7 +37,8 @@ from .barrier import store_barrier, store_gather
 from .format import ENGINE_STATE, FORMAT, MANIFEST, MODEL_STATES, check_file, load_plain, read_engine_state, \
     read_manifest, resolve, shard_file
 from .parts import CheckpointOptions, CheckpointParts
-from .snapshot import PIECE, PIECE_DIR, Snapshots, piece_dir, set_rng_state, steps_in
+from .snapshot import Snapshots
+from .snapshot_piece import PIECE, PIECE_DIR, piece_dir, set_rng_state, steps_in
 from .snapshot_wire import recv_piece, send_piece, wait_all
 from .tensorfile import SafetensorsReader
 

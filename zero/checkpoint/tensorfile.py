@@ -207,8 +207,14 @@ class MappedSafetensors:
         """Where tensor `name`'s bytes start in memory (while the file is mapped)."""
         return self.mapped.data_ptr() + self.data_start + self.header[name]["data_offsets"][0]
 
+    def tensor(self, name: str) -> torch.Tensor:
+        """Tensor `name` as a view of the mapped file (it keeps the mapping alive)."""
+        spec = next(s for s in self.specs if s.name == name)
+        return self._bytes(name).view(spec.dtype).view(spec.shape)
+
     def copy(self, fill: Fill, skip: Collection[str] = ()) -> None:
-        """Each spec's tensor but those named in `skip` (asked for once, in order) into the file."""
+        """Each spec's tensor but those named in `skip` (asked for once, in order)
+        into the file; a tensor that is its view already (tensor()) stays."""
         for spec in self.specs:
             if spec.name in skip:
                 continue
@@ -216,6 +222,8 @@ class MappedSafetensors:
             if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
                 raise ValueError(f"MappedSafetensors: {spec.name}: got shape {tuple(tensor.shape)} {tensor.dtype}, "
                                  f"expected {spec.shape} {spec.dtype}")
+            if tensor.device.type == "cpu" and tensor.data_ptr() == self.address(spec.name):
+                continue
             self._bytes(spec.name).copy_(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8))
 
     def copy_from(self, other: MappedSafetensors, names: Collection[str]) -> None:

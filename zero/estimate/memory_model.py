@@ -229,13 +229,19 @@ def nvme_traffic(job: Job, plan: Plan) -> tuple[float, float]:
     return read, written
 
 
-def snapshot_nbytes(num_params: float, world_size: int, stage: int, *, replicas: int = 1, slots: int = 2) -> float:
-    """Shared memory per rank that the in-memory snapshots hold
-    (zero/checkpoint/snapshot.py): `slots` steps of the rank's piece and of
-    the `replicas` buddy copies it keeps. A piece is the fp32 masters and
-    Adam's two moments the rank owns, 12 bytes per parameter (at stage 0 rank
-    0 owns them all: the figure is then its and its buddy's)."""
+def snapshot_nbytes(num_params: float, world_size: int, stage: int, *, replicas: int = 1, slots: int = 2,
+                    hosts: int = 1) -> float:
+    """Shared memory per rank that the in-memory snapshots add
+    (zero/checkpoint/snapshot.py): `slots` steps of the `replicas` buddy copies
+    it keeps, and of its own piece; on one host with a buddy the own piece is
+    one, and holds Adam's two moments (the optimizer's: not counted again,
+    [Note: moments in the own piece]). A piece is the fp32 masters and the two
+    moments the rank owns, 12 bytes per parameter (at stage 0 rank 0 owns them
+    all: the figure is then its and its buddy's)."""
     owned = num_params if stage == 0 else num_params / world_size
+    replicas = replicas if world_size > 1 else 0  # one rank has no buddy
+    if replicas and hosts == 1:
+        return 12.0 * owned * (1 + slots * replicas) - 8.0 * owned
     return 12.0 * owned * slots * (1 + replicas)
 
 

@@ -52,6 +52,9 @@ class _Storages:
             if t is None or not isinstance(t, torch.Tensor) or t.numel() == 0:
                 continue
             storage = t.untyped_storage()
+            if storage.filename is not None:  # a snapshot's file ([Note: moments in the own piece]): the tensor's bytes
+                total += t.nbytes
+                continue
             if storage.data_ptr() not in self.seen:
                 self.seen.add(storage.data_ptr())
                 total += storage.nbytes()
