@@ -181,17 +181,16 @@ class Snapshots:
 
     def _open(self, step: int, specs: list[TensorSpec], metadata: dict[str, str]) -> Slots:
         """The slots of this rank's piece of `step`: its own and, on this host, its
-        buddy's copy. With the buddy on this host the own piece moves on from the
-        last step (the moments live in it) while its layout stays; a new layout
-        first hands the moments back to the optimizer."""
+        buddy's copy. With the buddy on this host the own piece moves on from
+        its last step (the moments live in it; a restarted rank finds it by
+        name); a new layout first hands the moments back to the optimizer."""
         if self.live and specs != self._own_specs:
             self._unhome()
         holders = [self.rank]
         if self.buddy is not None and self.placement.same_host(self.rank, self.buddy):
             holders.append(self.buddy)
         dirs = [piece_dir(self.root, step, self.rank, self.world_size, holder) for holder in holders]
-        moved = self.live and specs == self._own_specs
-        partials = [self._slot(directory, step, moved=moved and i == 0) for i, directory in enumerate(dirs)]
+        partials = [self._slot(directory, step, moved=self.live and i == 0) for i, directory in enumerate(dirs)]
         files = [MappedSafetensors(shard_file(partial, self.rank, self.world_size), specs, metadata, self.mappings)
                  for partial in partials]
         self._own_specs = specs if self.live else None
