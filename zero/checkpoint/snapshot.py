@@ -233,8 +233,10 @@ class Snapshots:
             parent, name = os.path.split(directory)
             if not name.startswith("."):
                 partial = os.path.join(parent, f".{name}.partial")
+                shutil.rmtree(partial, ignore_errors=True)  # a killed snapshot's of that step, if any
                 os.rename(directory, partial)
-                os.remove(os.path.join(partial, PIECE))
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(partial, PIECE))
 
     def _own_dirs(self) -> list[str]:
         """This rank's own piece directories and .partial ones, in every step's folder, newest first."""
