@@ -97,8 +97,9 @@ class Snapshots:
         buddy = self.placement.buddy(rank) if options.replicas else None
         self.buddy, self.sources = buddy, (self.placement.sources(rank) if options.replicas else [])
         # [Note: moments in the own piece]: with a buddy's copy on this host, the own piece is one and holds the moments
-        self.live = buddy is not None and self.placement.same_host(rank, buddy)
-        self._homed: list[tuple[dict, torch.Tensor, str, int]] = []  # (optimizer.state, param, kind, its address)
+        self.moments_in_own = buddy is not None and self.placement.same_host(rank, buddy)
+        self._states: dict = {}  # the optimizer.state whose moments _home placed in the own piece
+        self._homed: list[tuple[torch.Tensor, str, int]] = []  # (param, kind, the address in the own piece)
         self._own_specs: list[TensorSpec] | None = None  # the layout of the own piece the moments live in
         # own piece and its copy on this host, copies from sources on other hosts: 2 steps each, room to spare
         self.mappings = Mappings(capacity=4 + 4 * len(self.sources))
@@ -125,7 +126,7 @@ class Snapshots:
                 return None
             specs, _, metadata = shard_specs(shards)
         slots = self._open(step, specs, metadata)
-        if self.live:
+        if self.moments_in_own:
             self._home(current.optimizer, slots.files[0], targets)
         slots.copies = StepCopies({ptr: [f.address(f"{key}:{kind}") for f in slots.files for kind in KINDS]
                                    for ptr, key in targets.items()})
@@ -184,16 +185,16 @@ class Snapshots:
         buddy's copy. With the buddy on this host the own piece moves on from
         its last step (the moments live in it; a restarted rank finds it by
         name); a new layout first hands the moments back to the optimizer."""
-        if self.live and specs != self._own_specs:
+        if self.moments_in_own and specs != self._own_specs:
             self._unhome()
         holders = [self.rank]
         if self.buddy is not None and self.placement.same_host(self.rank, self.buddy):
             holders.append(self.buddy)
         dirs = [piece_dir(self.root, step, self.rank, self.world_size, holder) for holder in holders]
-        partials = [self._slot(directory, step, moved=self.live and i == 0) for i, directory in enumerate(dirs)]
+        partials = [self._slot(directory, step, moved=self.moments_in_own and i == 0) for i, directory in enumerate(dirs)]
         files = [MappedSafetensors(shard_file(partial, self.rank, self.world_size), specs, metadata, self.mappings)
                  for partial in partials]
-        self._own_specs = specs if self.live else None
+        self._own_specs = specs if self.moments_in_own else None
         return Slots(step, list(zip(dirs, partials)), files, specs)
 
     def _home(self, optimizer: torch.optim.Optimizer, own: MappedSafetensors,
@@ -202,7 +203,7 @@ class Snapshots:
         writes become views of the own piece's file (copied there when they are
         elsewhere: the first snapshot, after a load); the step updates them in place."""
         params = {(p.data_ptr(), p.numel()): p for group in optimizer.param_groups for p in group["params"]}
-        self._homed = []
+        self._states, self._homed = optimizer.state, []
         for ptr, key in targets.items():
             if ptr not in params:
                 continue  # not the optimizer's: the step streams its copies
@@ -211,15 +212,19 @@ class Snapshots:
                 name = f"{key}:{kind}"
                 if state[kind].data_ptr() != own.address(name):
                     state[kind] = own.tensor(name).copy_(state[kind])
-                self._homed.append((optimizer.state, params[ptr], kind, own.address(name)))
+                self._homed.append((params[ptr], kind, own.address(name)))
+
+    def _homed_moments(self) -> list[tuple[torch.Tensor, str, torch.Tensor]]:
+        """(param, kind, tensor) of the moments that still live in the own piece
+        (a load since may have replaced them)."""
+        return [(param, kind, t) for param, kind, address in self._homed
+                if isinstance(t := self._states.get(param, {}).get(kind), torch.Tensor) and t.data_ptr() == address]
 
     def _unhome(self) -> None:
         """The moments living in the own piece become the optimizer's own copies
         (before the file is laid out anew over them)."""
-        for states, param, kind, address in self._homed:
-            tensor = states.get(param, {}).get(kind)
-            if isinstance(tensor, torch.Tensor) and tensor.data_ptr() == address:
-                states[param][kind] = tensor.clone()
+        for param, kind, tensor in self._homed_moments():
+            self._states[param][kind] = tensor.clone()
         self._homed = []
 
     def _unpublish_own(self) -> None:
@@ -325,10 +330,8 @@ class Snapshots:
         copies it wrote, and its own piece (also between snapshots), less the
         optimizer's moments that live in it (memory_report counts them as the optimizer's)."""
         dirs = {d for step in steps_in(self.root)[-2:] for d in self.held(step)}
-        dirs.update(self._own_dirs()[:1] if self.live else [])
-        homed = sum(t.nbytes for states, param, kind, address in self._homed
-                    if isinstance(t := states.get(param, {}).get(kind), torch.Tensor) and t.data_ptr() == address)
-        return sum(held_nbytes(d) for d in dirs) - homed
+        dirs.update(self._own_dirs()[:1] if self.moments_in_own else [])
+        return sum(held_nbytes(d) for d in dirs) - sum(t.nbytes for _, _, t in self._homed_moments())
 
     def close(self) -> None:
         """Waits for the pending snapshot; releases the group and the mappings."""
